@@ -1,0 +1,1 @@
+"""Embedded model assets."""
