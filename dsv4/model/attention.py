@@ -1,0 +1,182 @@
+"""DeepSeek V4 attention: sliding window, CSA (compressor + lightning indexer), HCA.
+
+All functions work on packed token rows (`Batch`): x [T, D] with per-token
+absolute positions and state slots. Each dispatch first writes its rows into the
+layer's state (window ring, compressor input rings, closed compressed entries),
+then every query gathers what it may see:
+
+* the window: positions `pos-W+1 .. pos` of its own slot (W = sliding_window);
+* HCA: every compressed entry `w < (pos+1) // ratio`;
+* CSA: the indexer's top-k among those entries.
+
+Attention has one shared K=V head, a per-head sink in the softmax denominator,
+inverse RoPE on the output and a grouped low-rank output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import CSA, WINDOW, ModelConfig
+from .layers import RMSNorm, RopeTable, apply_rope, rms_unweighted
+from .state import Batch, LayerState
+
+
+class Linear(nn.Module):
+    """Bias-free linear whose parameter is named `weight`, as in the checkpoint."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one entry (overlapping windows for CSA)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dim: int, overlap: bool):
+        super().__init__()
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        coff = 2 if overlap else 1
+        self.wkv = Linear(cfg.hidden_size, coff * dim)
+        self.wgate = Linear(cfg.hidden_size, coff * dim)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * dim))
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: Batch, raw_kv: torch.Tensor, raw_score: torch.Tensor,
+                entries: torch.Tensor, rope: RopeTable) -> None:
+        """Write this dispatch's rows, then (re)compute every entry a row closes."""
+        m, d = self.ratio, self.dim
+        pos, slots = batch.positions, batch.slots
+        kv = self.wkv(x).float()  # [T, coff*d]
+        score = self.wgate(x).float() + self.ape.float()[pos % m]
+        R = raw_kv.shape[1]
+        raw_kv[slots, pos % R] = kv
+        raw_score[slots, pos % R] = score
+        close = ((pos + 1) % m == 0).nonzero().squeeze(-1)
+        if close.numel() == 0:
+            return
+        cs, w = slots[close], pos[close] // m  # [C]
+        first = w * m
+        if self.overlap:
+            # slots: the previous window's Ca half, then this window's Cb half
+            p = torch.cat([first[:, None] - m + torch.arange(m, device=x.device),
+                           first[:, None] + torch.arange(m, device=x.device)], dim=1)  # [C, 2m]
+            g_kv = raw_kv[cs[:, None], p % R]  # [C, 2m, 2d]
+            g_sc = raw_score[cs[:, None], p % R]
+            sel_kv = torch.cat([g_kv[:, :m, :d], g_kv[:, m:, d:]], dim=1)  # [C, 2m, d]
+            sel_sc = torch.cat([g_sc[:, :m, :d], g_sc[:, m:, d:]], dim=1)
+            missing = (p < 0).unsqueeze(-1)  # window -1 does not exist
+            sel_kv = sel_kv.masked_fill(missing, 0.0)
+            sel_sc = sel_sc.masked_fill(missing, float("-inf"))
+        else:
+            p = first[:, None] + torch.arange(m, device=x.device)  # [C, m]
+            sel_kv = raw_kv[cs[:, None], p % R]
+            sel_sc = raw_score[cs[:, None], p % R]
+        pooled = (sel_kv * sel_sc.softmax(dim=1)).sum(dim=1)  # [C, d]
+        pooled = self.norm(pooled)
+        cos, sin = rope.cos_sin(first)
+        entries[cs, w] = apply_rope(pooled, cos, sin).to(entries.dtype)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of CSA layers: scores compressed entries, keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable,
+                n_ent: int, visible: torch.Tensor) -> torch.Tensor:
+        """Return a bias [T, n_ent]: 0 on the selected entries, -inf elsewhere."""
+        self.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
+        T = x.shape[0]
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        cos, sin = rope.cos_sin(batch.positions)
+        q = apply_rope(q, cos, sin)
+        keys = ls.idx_entries[batch.slots, :n_ent]  # [T, E, di]
+        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [T, H]
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(self.topk, n_ent)
+        top = scores.topk(k, dim=-1).indices  # [T, k]
+        chosen = visible.gather(1, top)
+        bias = torch.full((T, n_ent + 1), float("-inf"), device=x.device)
+        bias.scatter_(1, torch.where(chosen, top, n_ent), 0.0)
+        return bias[:, :n_ent]
+
+
+class Attention(nn.Module):
+    """Attention of one layer (kind window / csa / hca), reading and writing `LayerState`."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, ratio: int):
+        super().__init__()
+        self.cfg, self.kind, self.ratio = cfg, kind, ratio
+        H, hd = cfg.num_attention_heads, cfg.head_dim
+        self.n_heads, self.head_dim = H, hd
+        self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * hd)
+        self.wkv = Linear(cfg.hidden_size, hd)
+        self.kv_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.wo_a = Linear(H * hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(H))
+        if kind != WINDOW:
+            self.compressor = Compressor(cfg, ratio, hd, overlap=kind == CSA)
+        if kind == CSA:
+            self.indexer = Indexer(cfg, ratio)
+
+    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable) -> torch.Tensor:
+        """x: [T, D] normed sub-layer input -> [T, D]."""
+        cfg = self.cfg
+        T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, cfg.sliding_window
+        pos, slots = batch.positions, batch.slots
+        cos, sin = rope.cos_sin(pos)
+
+        qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
+        q = rms_unweighted(self.wq_b(qr).view(T, H, hd), cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)  # [T, H, hd]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+
+        # window: write this dispatch's rows, then gather pos-W+1..pos per query
+        Rw = ls.win.shape[1]
+        ls.win[slots, pos % Rw] = kv.to(ls.win.dtype)
+        kpos = pos[:, None] - torch.arange(W - 1, -1, -1, device=x.device)  # [T, W]
+        keys = ls.win[slots[:, None], kpos % Rw]  # [T, W, hd]
+        bias = torch.zeros(T, W, device=x.device).masked_fill(kpos < 0, float("-inf"))
+
+        if self.kind != WINDOW:
+            self.compressor(x, batch, ls.raw_kv, ls.raw_score, ls.entries, rope)
+            limit = (pos + 1) // self.ratio  # [T] entries visible to each query
+            n_ent = int(limit.max())
+            if n_ent > 0:
+                visible = torch.arange(n_ent, device=x.device)[None, :] < limit[:, None]  # [T, E]
+                if self.kind == CSA:
+                    cbias = self.indexer(x, qr, batch, ls, rope, n_ent, visible)
+                else:
+                    cbias = torch.zeros(T, n_ent, device=x.device).masked_fill(~visible, float("-inf"))
+                keys = torch.cat([keys, ls.entries[slots, :n_ent]], dim=1)  # [T, W+E, hd]
+                bias = torch.cat([bias, cbias], dim=1)
+            elif self.kind == CSA:  # keep the indexer's own compressor state in step
+                self.indexer.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
+
+        scores = torch.einsum("thd,tkd->thk", q, keys.to(q.dtype)).float() * hd ** -0.5
+        scores = scores + bias.unsqueeze(1)
+        sink = self.attn_sink.float().view(1, H, 1).expand(T, H, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        o = torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys).to(x.dtype)  # [T, H, hd]
+        o = apply_rope(o, cos, sin, inverse=True)
+
+        G = cfg.o_groups
+        wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)  # [G, O, H*hd/G]
+        o = torch.einsum("tgi,goi->tgo", o.reshape(T, G, -1), wo_a)  # [T, G, O]
+        return self.wo_b(o.flatten(1))

@@ -1,0 +1,183 @@
+"""DeepSeek V4 (Flash) in PyTorch, with its MTP block.
+
+Interfaces (parameter names are the official checkpoint names, so
+`model.state_dict()` keys are exactly the tensors of a DeepSeek V4 checkpoint,
+dequantised):
+
+* `model(input_ids)` with `input_ids` [B, S] -> logits [B, S, vocab]: a full causal
+  forward from position 0 (no state kept).
+* Stateful path, for serving: `state = model.new_state(max_slots, max_len, ...)`,
+  then `model.forward_batch(batch, state, logits_index)` runs one dispatch: any mix
+  of prefill chunks (any size, any offset) and decode rows of many requests,
+  packed as a `Batch`. It returns the final hidden streams [T, hc, D] (before
+  `hc_head`, what the MTP consumes) and logits for the token rows asked for.
+* `model.mtp_forward(batch, hidden, state, logits_index)`: the MTP block over
+  pairs (h_t, x_{t+1}): `batch.input_ids` holds x_{t+1}, `batch.positions` holds t,
+  `hidden` [T, hc, D] holds h_t. Returns its own streams [T, hc, D] (feed them back
+  for deeper drafts) and logits for x_{t+2}.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import WINDOW, ModelConfig
+from .attention import Attention, Linear
+from .layers import HyperConnection, RMSNorm, RopeTable, hc_head
+from .moe import MoE
+from .state import Batch, LayerState, ModelState
+
+
+class Block(nn.Module):
+    """One transformer block: mHC around attention, then mHC around the MoE."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, ratio: int, hash_routed: bool):
+        super().__init__()
+        self.cfg, self.kind = cfg, kind
+        mix = (2 + cfg.hc_mult) * cfg.hc_mult
+        D = cfg.hidden_size
+        self.attn_norm, self.ffn_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
+        self.attn = Attention(cfg, kind, ratio)
+        self.ffn = MoE(cfg, hash_routed)
+        for p in ("attn", "ffn"):
+            self.register_parameter(f"hc_{p}_fn", nn.Parameter(torch.zeros(mix, cfg.hc_mult * D)))
+            self.register_parameter(f"hc_{p}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{p}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable) -> torch.Tensor:
+        """x: [T, hc, D] -> [T, hc, D]."""
+        cfg = self.cfg
+        y, post, comb = HyperConnection.pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, cfg)
+        x = HyperConnection.post(self.attn(self.attn_norm(y), batch, ls, rope), x, post, comb)
+        y, post, comb = HyperConnection.pre(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, cfg)
+        return HyperConnection.post(self.ffn(self.ffn_norm(y), batch.input_ids), x, post, comb)
+
+
+class MTPBlock(Block):
+    """The MTP layer: a window-only block with its own input projections and head mix."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, WINDOW, 0, hash_routed=False)
+        D = cfg.hidden_size
+        self.enorm, self.hnorm, self.norm = (RMSNorm(D, cfg.rms_norm_eps) for _ in range(3))
+        self.e_proj, self.h_proj = Linear(D, D), Linear(D, D)
+        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+
+
+class DeepseekV4(nn.Module):
+    """The main model plus (when the config has one) the MTP block."""
+
+    def __init__(self, cfg: ModelConfig, with_mtp: bool | None = None):
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.hidden_size
+        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.layers = nn.ModuleList(
+            Block(cfg, k, r, cfg.is_hash_layer(i))
+            for i, (k, r) in enumerate(zip(cfg.layer_kinds, cfg.compress_ratios))
+        )
+        self.norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.head = Linear(D, cfg.vocab_size)
+        self.hc_head_fn = nn.Parameter(torch.zeros(cfg.hc_mult, cfg.hc_mult * D))
+        self.hc_head_base = nn.Parameter(torch.zeros(cfg.hc_mult))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        if with_mtp is None:
+            with_mtp = cfg.num_nextn_predict_layers > 0
+        self.mtp = nn.ModuleList([MTPBlock(cfg)]) if with_mtp else None
+        rd = cfg.qk_rope_head_dim
+        self.rope_main = RopeTable(rd, cfg.rope_theta, None)
+        self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp is not None
+
+    def new_state(self, max_slots: int, max_len: int, *, max_chunk: int = 128, max_spec: int = 4) -> ModelState:
+        p = self.embed.weight
+        return ModelState(self.cfg, max_slots, max_len, max_chunk=max_chunk, max_spec=max_spec,
+                          with_mtp=self.has_mtp, device=p.device, dtype=p.dtype)
+
+    def _rope(self, kind: str) -> RopeTable:
+        return self.rope_main if kind == WINDOW else self.rope_compress
+
+    def _logits(self, h: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
+        """[N, hc, D] streams -> [N, vocab] float32 logits."""
+        y = norm(hc_head(h, fn, base, scale, self.cfg))
+        return F.linear(y, self.head.weight).float()
+
+    # ---------------------------------------------------------------- stateful
+    def forward_batch(self, batch: Batch, state: ModelState,
+                      logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One dispatch of the main model -> (hidden [T, hc, D], logits [N, vocab]).
+
+        `logits_index` picks token rows for the head (default: every row).
+        """
+        state.begin(batch)
+        h = self.embed(batch.input_ids)  # [T, D]
+        h = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
+        for layer, ls in zip(self.layers, state.layers):
+            h = layer(h, batch, ls, self._rope(layer.kind))
+        sel = h if logits_index is None else h[logits_index]
+        return h, self._logits(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
+
+    def mtp_forward(self, batch: Batch, hidden: torch.Tensor, state: ModelState,
+                    logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """MTP over pairs (h_t [T, hc, D], x_{t+1} = batch.input_ids) at positions t.
+
+        Returns (MTP streams [T, hc, D], logits for x_{t+2} [N, vocab]).
+        """
+        if self.mtp is None:
+            raise RuntimeError("this checkpoint has no MTP weights")
+        mtp: MTPBlock = self.mtp[0]
+        state.begin(batch, mtp=True)
+        e = mtp.enorm(self.embed(batch.input_ids))  # [T, D]
+        z = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hidden))  # [T, hc, D]
+        z = mtp(z, batch, state.mtp, self.rope_main)
+        sel = z if logits_index is None else z[logits_index]
+        return z, self._logits(sel, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
+
+    # ---------------------------------------------------------------- stateless
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Full causal forward from position 0: [B, S] -> logits [B, S, vocab]."""
+        B, S = input_ids.shape
+        state = ModelState(self.cfg, B, S, max_chunk=S, max_spec=0, with_mtp=False,
+                           device=input_ids.device, dtype=self.embed.weight.dtype)
+        rows = [(b, 0, input_ids[b].tolist()) for b in range(B)]
+        _, logits = self.forward_batch(Batch.build(rows, input_ids.device), state)
+        return logits.view(B, S, -1)
+
+
+@torch.no_grad()
+def init_random(model: DeepseekV4, seed: int = 0, std: float = 0.02) -> DeepseekV4:
+    """Random weights in the spirit of the real ones (for tests and toy models).
+
+    Norm weights near 1, mHC scales near 1 with small fn, small ape/sink/bias, a
+    random but fixed `tid2eid` table.
+    """
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        elif leaf.endswith("_scale"):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        elif leaf.endswith("_base") or leaf in ("ape", "attn_sink", "bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        elif leaf.endswith("_fn"):
+            p.copy_(std * torch.randn(p.shape, generator=g))
+        elif name == "embed.weight":
+            p.copy_(torch.randn(p.shape, generator=g))
+        else:
+            fan_in = p.shape[-1] if p.dim() > 1 else 1
+            p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+            b.copy_(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(cfg.vocab_size)]))
+    return model

@@ -1,0 +1,89 @@
+"""DeepSeek V4 feed-forward: mixture of experts with a hash or score router.
+
+Router: sqrt(softplus(x @ W_gate^T)) scores; the first `num_hash_layers` layers pick
+experts by token id (`tid2eid`), the others by top-k of score + bias (the bias
+only selects). Weights are the chosen scores, renormalised and scaled by
+`routed_scaling_factor`. Experts are SwiGLU with clamping (gate <= limit,
+-limit <= up <= limit); a shared expert is added to every token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .attention import Linear
+
+
+class Expert(nn.Module):
+    """SwiGLU expert with DeepSeek's clamp: w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.w1, self.w2, self.w3 = Linear(dim, inter), Linear(inter, dim), Linear(dim, inter)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        g, u = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
+        h = F.silu(g) * u
+        if weight is not None:
+            h = h * weight.unsqueeze(-1)
+        return self.w2(h.to(x.dtype))
+
+
+class Gate(nn.Module):
+    """Router; holds `weight` and either `bias` (score routing) or `tid2eid` (hash routing)."""
+
+    def __init__(self, cfg: ModelConfig, hash_routed: bool):
+        super().__init__()
+        self.k, self.scale, self.hash = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hash_routed
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.k, dtype=torch.long))
+        else:
+            self.bias = nn.Parameter(torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D], ids [T] -> (weights [T, k] float32, expert indices [T, k])."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E]
+        if self.hash:
+            idx = self.tid2eid[ids]
+        else:
+            idx = torch.topk(scores + self.bias.float(), self.k, dim=-1).indices
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.scale, idx
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, hash_routed: bool):
+        super().__init__()
+        self.gate = Gate(cfg, hash_routed)
+        inter = cfg.moe_intermediate_size
+        self.experts = nn.ModuleList(Expert(cfg.hidden_size, inter, cfg.swiglu_limit)
+                                     for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (Expert(cfg.hidden_size, inter * cfg.n_shared_experts, cfg.swiglu_limit)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D], ids [T] -> [T, D]."""
+        weights, idx = self.gate(x, ids)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tok = order // idx.shape[1]
+        wsorted = weights.flatten()[order]
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                t = tok[start:start + c]
+                out.index_add_(0, t, self.experts[e](x[t], wsorted[start:start + c]).float())
+                start += c
+        if self.shared_experts is not None:
+            out += self.shared_experts(x).float()
+        return out.to(x.dtype)

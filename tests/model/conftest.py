@@ -1,0 +1,30 @@
+"""Shared fixtures for the model tests: tiny random models, fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model.model import DeepseekV4, init_random
+from tests.model.tiny import tiny_config
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> DeepseekV4:
+    torch.manual_seed(0)
+    return init_random(DeepseekV4(tiny_config()), seed=0).eval()
+
+
+def prefill(model: DeepseekV4, state, slot: int, ids: list[int], plan: list[int]):
+    """Prefill `ids` into `slot` chunk by chunk -> (hidden [S, hc, D], logits [S, V])."""
+    from dsv4.model.state import Batch
+
+    hs, ls, start = [], [], 0
+    for n in plan:
+        b = Batch.build([(slot, start, ids[start:start + n])])
+        h, lg = model.forward_batch(b, state)
+        hs.append(h)
+        ls.append(lg)
+        start += n
+    assert start == len(ids)
+    return torch.cat(hs), torch.cat(ls)

@@ -1,0 +1,117 @@
+"""The stateful path against itself: chunked == whole, prefill + decode == forward,
+rollback leaves no trace, batched decode == single decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model.state import Batch
+from tests.model.conftest import prefill
+
+V = 128
+TOL = 1e-5
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(2, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _snap_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].shape == b[k].shape, k
+        assert torch.allclose(a[k], b[k], atol=TOL, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+W = 12  # tiny sliding window
+PLANS = {
+    "ones": [1] * 100,
+    "irregular": [7, 1, 9, 2, 16, 3, 30, 32],
+    "around_window": [W - 1, 1, W + 1, W - 1, 1, W + 1, 100 - 4 * W - 2],
+    "whole": [100],
+}
+
+
+@pytest.mark.parametrize("plan", list(PLANS.values()), ids=list(PLANS))
+def test_chunked_prefill_equals_whole(tiny_model, plan):
+    ids = _ids(100)
+    whole = tiny_model(torch.tensor([ids]))[0]
+    state = tiny_model.new_state(2, 256, max_chunk=100)
+    _, logits = prefill(tiny_model, state, 1, ids, plan)
+    assert (logits - whole).abs().max().item() <= TOL
+    ref_state = tiny_model.new_state(2, 256, max_chunk=100)
+    prefill(tiny_model, ref_state, 1, ids, [100])
+    _snap_equal(state.snapshot(1), ref_state.snapshot(1))
+
+
+@pytest.mark.parametrize("k,step", [(37, 1), (40, 3), (1, 1), (63, 5)])
+def test_prefill_then_decode_equals_forward(tiny_model, k, step):
+    ids = _ids(90, seed=3)
+    whole = tiny_model(torch.tensor([ids]))[0]
+    state = tiny_model.new_state(1, 128, max_chunk=64)
+    _, first = prefill(tiny_model, state, 0, ids[:k], [k])
+    outs = [first]
+    pos = k
+    while pos < len(ids):
+        n = min(step, len(ids) - pos)
+        _, lg = tiny_model.forward_batch(Batch.build([(0, pos, ids[pos:pos + n])]), state)
+        outs.append(lg)
+        pos += n
+    assert (torch.cat(outs) - whole).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("k", [29, 30, 31, 45])  # rolled-back tokens close CSA(4) / HCA(8) windows
+@pytest.mark.parametrize("one_dispatch", [True, False])
+def test_rollback_leaves_no_trace(tiny_model, k, one_dispatch):
+    ids = _ids(k + 6, seed=5)
+    wrong = [(t + 17) % (V - 2) + 2 for t in ids[k + 1:k + 3]]
+    state = tiny_model.new_state(1, 128, max_chunk=64)
+    prefill(tiny_model, state, 0, ids[:k], [k])
+    # decode 3 tokens: the true next one plus two that will be rejected
+    spec = [ids[k]] + wrong
+    if one_dispatch:
+        tiny_model.forward_batch(Batch.build([(0, k, spec)]), state)
+    else:
+        for i, t in enumerate(spec):
+            tiny_model.forward_batch(Batch.build([(0, k + i, [t])]), state)
+    state.rollback(0, k + 1)
+    _, lg = tiny_model.forward_batch(Batch.build([(0, k + 1, ids[k + 1:k + 6])]), state)
+    whole = tiny_model(torch.tensor([ids]))[0]
+    assert (lg - whole[k + 1:k + 6]).abs().max().item() <= TOL
+    ref = tiny_model.new_state(1, 128, max_chunk=64)
+    prefill(tiny_model, ref, 0, ids, [k + 6])
+    _snap_equal(state.snapshot(0), ref.snapshot(0))
+
+
+def test_batched_decode_equals_single(tiny_model):
+    lens = [5, 33, 64, 17]
+    prompts = [_ids(n + 4, seed=10 + i) for i, n in enumerate(lens)]
+    batched = tiny_model.new_state(4, 128, max_chunk=64)
+    for s, (n, p) in enumerate(zip(lens, prompts)):
+        prefill(tiny_model, batched, s, p[:n], [n])
+    outs = []
+    for step in range(4):  # 4 decode steps, 1 token per row, all rows in one dispatch
+        rows = [(s, n + step, [p[n + step]]) for s, (n, p) in enumerate(zip(lens, prompts))]
+        outs.append(tiny_model.forward_batch(Batch.build(rows), batched)[1])
+    # multi-token rows of different sizes in one dispatch
+    rows = [(s, n + 4, _ids(1 + s, seed=99 + s)) for s, n in enumerate(lens)]
+    mixed = tiny_model.forward_batch(Batch.build(rows), batched)[1]
+    for s, (n, p) in enumerate(zip(lens, prompts)):
+        alone = tiny_model.new_state(1, 128, max_chunk=64)
+        prefill(tiny_model, alone, 0, p[:n], [n])
+        for step in range(4):
+            lg = tiny_model.forward_batch(Batch.build([(0, n + step, [p[n + step]])]), alone)[1]
+            assert (lg[0] - outs[step][s]).abs().max().item() <= TOL
+        lg = tiny_model.forward_batch(Batch.build([(0, n + 4, rows[s][2])]), alone)[1]
+        off = sum(1 + j for j in range(s))
+        assert (lg - mixed[off:off + 1 + s]).abs().max().item() <= TOL
+
+
+def test_state_rejects_gaps(tiny_model):
+    state = tiny_model.new_state(1, 64, max_chunk=16)
+    prefill(tiny_model, state, 0, _ids(8), [8])
+    with pytest.raises(ValueError, match="holds 8 positions"):
+        tiny_model.forward_batch(Batch.build([(0, 9, [5])]), state)
+    with pytest.raises(ValueError, match="roll slot 0 forward"):
+        state.rollback(0, 9)
