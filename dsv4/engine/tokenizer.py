@@ -1,0 +1,226 @@
+"""Tokenizer: text <-> token ids, DeepSeek V4 prompt building, streaming detokenisation.
+
+Contract:
+- `Tokenizer.from_dir(path)` loads `tokenizer.json` (+ optional `tokenizer_config.json`)
+  with the `tokenizers` library. BOS/EOS come from the config's `bos_token`/`eos_token`,
+  else from the DeepSeek names `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>`.
+- `encode(text)` treats text as plain text: a special-token string inside it (for example
+  `<｜User｜>`) is tokenised as ordinary characters, never mapped to the special id.
+- `encode_prompt(text, mode=...)` builds the single-turn DeepSeek V4 chat prompt
+  `BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>)` as ids:
+  special tokens by id, each text encoded on its own, so user text cannot inject them.
+- `IncrementalDetokenizer.push(id)` returns only completed text (never half of a UTF-8
+  character); all pushes plus `flush()` equal `Tokenizer.decode(all_ids)` exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Sequence
+
+from tokenizers import Tokenizer as HFTokenizer
+
+BOS_TOKEN = "<｜begin▁of▁sentence｜>"
+EOS_TOKEN = "<｜end▁of▁sentence｜>"
+USER_TOKEN = "<｜User｜>"
+ASSISTANT_TOKEN = "<｜Assistant｜>"
+THINK_START_TOKEN = "<think>"
+THINK_END_TOKEN = "</think>"
+
+PromptMode = Literal["auto", "chat", "raw"]
+_REPLACEMENT = "\ufffd"
+
+
+class TokenizerError(Exception):
+    """A tokenizer could not be loaded or cannot do what was asked (one-line message)."""
+
+
+def _token_content(value: object) -> str | None:
+    """A tokenizer_config.json token entry: a plain string or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class Tokenizer:
+    """A `tokenizers` tokenizer plus the few facts the engine needs (BOS, EOS, chat tokens)."""
+
+    def __init__(self, tokenizer_json: str, config: dict | None = None, source: str = "<memory>") -> None:
+        """Build from the text of a tokenizer.json and the parsed tokenizer_config.json (if any)."""
+        try:
+            self._tok = HFTokenizer.from_str(tokenizer_json)
+            # A second copy without added tokens: encodes any text as plain characters, so
+            # strings like "<｜User｜>" in user text never become special ids.
+            spec = json.loads(tokenizer_json)
+            spec["added_tokens"] = []
+            self._plain = HFTokenizer.from_str(json.dumps(spec))
+        except Exception as e:  # tokenizers raises plain Exception on malformed files
+            raise TokenizerError(f"cannot parse tokenizer.json from {source}: {e}") from None
+        self.source = source
+        self.config: dict = dict(config or {})
+        self.model_max_length: int | None = self.config.get("model_max_length")
+        self.bos_id = self._special_id("bos_token", BOS_TOKEN)
+        self.eos_id = self._special_id("eos_token", EOS_TOKEN)
+        self.pad_id = self._special_id("pad_token", None)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "Tokenizer":
+        """Load `tokenizer.json` and, when present, `tokenizer_config.json` from a model directory."""
+        d = Path(path)
+        tj = d / "tokenizer.json"
+        if not tj.is_file():
+            raise TokenizerError(f"no tokenizer.json in {d} (hint: point at a model directory that has one)")
+        config: dict = {}
+        tc = d / "tokenizer_config.json"
+        if tc.is_file():
+            try:
+                config = json.loads(tc.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise TokenizerError(f"cannot read {tc}: {e}") from None
+        return cls(tj.read_text(encoding="utf-8"), config, source=str(d))
+
+    def _special_id(self, key: str, default: str | None) -> int | None:
+        """Id of the config's token `key`, else of the default token name, else None."""
+        for name in (_token_content(self.config.get(key)), default):
+            if name is not None and (i := self._tok.token_to_id(name)) is not None:
+                return i
+        return None
+
+    # --- vocabulary -------------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included (the embedding needs at least this many rows)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_tokens(self) -> bool:
+        """True when the vocabulary has `<｜User｜>` and `<｜Assistant｜>`."""
+        return self.token_to_id(USER_TOKEN) is not None and self.token_to_id(ASSISTANT_TOKEN) is not None
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string (as in the vocabulary), or None."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """Token string of an id, or None."""
+        return self._tok.id_to_token(token_id)
+
+    def _require(self, token: str) -> int:
+        i = self.token_to_id(token)
+        if i is None:
+            raise TokenizerError(f"tokenizer from {self.source} has no {token} token (hint: use raw prompt mode)")
+        return i
+
+    # --- encode / decode --------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Ids of plain `text` (special-token strings in it are ordinary characters)."""
+        ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
+        return [self._bos()] + ids if add_bos else ids
+
+    def _bos(self) -> int:
+        if self.bos_id is None:
+            raise TokenizerError(f"tokenizer from {self.source} has no BOS token (hint: pass add_bos=False)")
+        return self.bos_id
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; special tokens are kept unless `skip_special_tokens`."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def encode_prompt(
+        self,
+        text: str,
+        *,
+        mode: PromptMode = "auto",
+        system: str | None = None,
+        thinking: bool = False,
+        add_bos: bool = True,
+    ) -> list[int]:
+        """Prompt ids for one user turn.
+
+        chat: BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> if thinking else </think>).
+        raw:  (BOS +) text as is; `system` and `thinking` are ignored.
+        auto: chat when the vocabulary has the chat tokens, raw otherwise.
+        """
+        if mode not in ("auto", "chat", "raw"):
+            raise TokenizerError(f"unknown prompt mode {mode!r} (expected auto, chat or raw)")
+        if mode == "auto":
+            mode = "chat" if self.has_chat_tokens else "raw"
+        if mode == "raw":
+            return self.encode(text, add_bos=add_bos)
+        user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)
+        think = self._require(THINK_START_TOKEN if thinking else THINK_END_TOKEN)
+        ids = [self._bos()] if add_bos else []
+        if system:
+            ids += self.encode(system)
+        return ids + [user] + self.encode(text) + [assistant, think]
+
+    def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
+        """A fresh streaming detokeniser over this tokenizer."""
+        return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.source!r}, vocab_size={self.vocab_size}, bos={self.bos_id}, eos={self.eos_id})"
+
+
+class IncrementalDetokenizer:
+    """Streaming detokenisation with the prefix-offset / read-offset window.
+
+    `ids[prefix:read]` is already emitted text kept as left context; `ids[read:]` is pending.
+    Each push decodes only the window `ids[prefix:]` (a few tokens) and emits the new text
+    once the window's decode does not end in U+FFFD, i.e. its last character is complete;
+    then the window slides to `prefix, read = read, len(ids)`. Offsets only move to such
+    complete-character boundaries, so decoding from `prefix` agrees with decoding it all.
+
+    Invalid bytes (a model emitting stray byte tokens) would otherwise stall the window:
+    after `max_pending` pending tokens whose text still ends in U+FFFD, everything but the
+    last character is emitted (lossy UTF-8 decoding never revises it), and the window
+    slides to the last token when no character straddles that boundary.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False, max_pending: int = 8) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.max_pending = max_pending
+        self.ids: list[int] = []
+        self._prefix = 0  # window start; ids[prefix:read] is left context, already emitted
+        self._read = 0  # first id whose text is not (fully) emitted yet
+        self._emitted = 0  # chars of decode(ids[prefix:]) already emitted
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def _slide(self, read: int) -> None:
+        """Move the window to prefix = old read, read = `read` (both complete-character boundaries)."""
+        self._prefix, self._read = self._read, read
+        self._emitted = len(self._decode(self._prefix, read))
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ('' while a character is incomplete)."""
+        self.ids.append(token_id)
+        n = len(self.ids)
+        text = self._decode(self._prefix)
+        if not text.endswith(_REPLACEMENT):
+            out = text[self._emitted :]
+            self._slide(n)
+            return out
+        if n - self._read <= self.max_pending:
+            return ""
+        out = text[self._emitted : -1]
+        self._emitted = max(self._emitted, len(text) - 1)
+        head, last = self._decode(self._prefix, n - 1), self._decode(n - 1)
+        if last and head + last == text:  # ids[n-1] starts on a boundary: slide, keeping its U+FFFD pending
+            self._slide(n - 1)
+            self._emitted = max(self._emitted, len(self._decode(self._prefix)) - 1)
+        return out
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        out = self._decode(self._prefix)[self._emitted :]
+        self._prefix = self._read = len(self.ids)
+        self._emitted = 0
+        return out
