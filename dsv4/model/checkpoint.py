@@ -1,0 +1,367 @@
+"""Read and write DeepSeek V4 checkpoints (safetensors) in the official layout.
+
+Everything works on flat dicts of tensors keyed by the official names (no prefix),
+e.g. ``embed.weight``, ``layers.3.attn.wq_a.weight`` (+ ``layers.3.attn.wq_a.scale``),
+``layers.3.ffn.experts.7.w1.weight`` (+ ``.scale``), ``layers.0.ffn.gate.tid2eid``.
+
+On disk (docs/deepseek-v4.md section 5):
+- FP8 tensors: ``X.weight`` F8_E4M3 + ``X.scale`` F8_E8M0, one scale per 128x128 block;
+- FP4 routed experts: ``X.weight`` I8 (two e2m1 per byte) + ``X.scale`` F8_E8M0 per 1x32;
+- ``hc_*``, ``attn_sink``, ``compressor.ape``, ``ffn.gate.bias`` F32; ``tid2eid`` I64;
+- everything else BF16.
+
+``read_checkpoint`` returns dequantised tensors (scales consumed); ``save_checkpoint``
+writes the same layout, optionally quantised and sharded with an index. Every problem
+with the files on disk is reported as a one-line ``CheckpointError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from . import quant
+from .quant import dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape
+
+PathLike = Union[str, Path]
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+QUANTIZATION_CONFIG = {
+    "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+    "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
+}
+
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_INT_DTYPES = {"I32", "I64"}
+_SCALE_DTYPES = {"F8_E8M0", "U8"}  # U8: exponent bytes written by torch without float8_e8m0fnu
+_QUANT_DTYPES = {"F8_E4M3": "fp8", "I8": "fp4"}
+
+_PREFIX = r"(?:layers|mtp)\.\d+\."
+_FP8_RE = re.compile(_PREFIX + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
+                     r"|ffn\.shared_experts\.w[123]|[eh]_proj)\.weight")
+_FP4_RE = re.compile(_PREFIX + r"ffn\.experts\.\d+\.w[123]\.weight")
+_F32_RE = re.compile(r"(?:.*\.)?hc_\w+|.*\.attn\.attn_sink|.*\.compressor\.ape|.*\.ffn\.gate\.bias")
+_I64_RE = re.compile(r".*\.ffn\.gate\.tid2eid")
+
+
+class CheckpointError(Exception):
+    """A checkpoint on disk (or its tensor set) is unusable; the message says why, in one line."""
+
+
+def official_storage(name: str) -> str:
+    """Storage format of a tensor in the official checkpoint: "fp8"|"fp4"|"f32"|"i64"|"float"."""
+    if _FP8_RE.fullmatch(name):
+        return "fp8"
+    if _FP4_RE.fullmatch(name):
+        return "fp4"
+    if _F32_RE.fullmatch(name):
+        return "f32"
+    if _I64_RE.fullmatch(name):
+        return "i64"
+    return "float"
+
+
+def scale_name(weight_name: str) -> str:
+    """``a.b.weight`` -> ``a.b.scale`` (the official pairing of a quantised weight and its scales)."""
+    return weight_name.removesuffix(".weight") + ".scale"
+
+
+# ============================================================================ reading
+@dataclass(frozen=True)
+class _Entry:
+    file: Path
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+
+
+def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
+                    device: Union[str, torch.device] = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+    """Load a checkpoint directory: (dequantised tensors keyed by official name, config.json).
+
+    Float tensors are cast to ``dtype``; FP8/FP4 weights are dequantised to ``dtype`` (their
+    ``.scale`` tensors are consumed); I32/I64 tensors come back as int64. Files are memory
+    mapped and converted tensor by tensor, shard by shard. All headers are checked before
+    any data is read. Raises ``CheckpointError``.
+    """
+    if not dtype.is_floating_point:
+        raise ValueError(f"read_checkpoint dtype must be a floating dtype, got {dtype}")
+    root = Path(path)
+    config = _read_config(root)
+    entries = _scan(_shard_files(root))
+    plan = _plan(entries)  # name -> ("plain"|"fp8"|"fp4")
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted({e.file for e in entries.values()}):
+        names = [n for n, e in entries.items() if e.file == file and n in plan]
+        with _open(file) as f:
+            for name in names:
+                raw = _get(f, file, name, entries[name].dtype).to(device)
+                kind = plan[name]
+                if kind == "plain":
+                    out[name] = raw.to(torch.int64) if entries[name].dtype in _INT_DTYPES else raw.to(dtype)
+                    continue
+                sname = scale_name(name)
+                se = entries[sname]
+                if se.file == file:
+                    scale = _get(f, file, sname, se.dtype)
+                else:
+                    with _open(se.file) as g:
+                        scale = _get(g, se.file, sname, se.dtype)
+                dq = dequantize_fp8 if kind == "fp8" else dequantize_fp4
+                out[name] = dq(raw, scale.to(device), dtype)
+                del raw, scale
+    return out, config
+
+
+def _read_config(root: Path) -> dict:
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist or is not a directory")
+    cfg = root / CONFIG_NAME
+    if not cfg.is_file():
+        raise CheckpointError(f"no {CONFIG_NAME} in checkpoint directory {root}")
+    try:
+        config = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"cannot parse {cfg}: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg} must hold a JSON object")
+    return config
+
+
+def _shard_files(root: Path) -> dict[Path, Optional[set[str]]]:
+    """Shard files to read -> tensor names the index places there (None without an index)."""
+    index = root / INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            raise CheckpointError(f"cannot parse {index} (need a 'weight_map' object): {e!r}") from None
+        files: dict[Path, Optional[set[str]]] = {}
+        for name, fname in weight_map.items():
+            files.setdefault(root / fname, set()).add(name)  # type: ignore[union-attr]
+        for file, names in sorted(files.items()):
+            if not file.is_file():
+                raise CheckpointError(f"{index.name} references missing shard file {file.name} "
+                                      f"({len(names or ())} tensors, e.g. {min(names or ['?'])!r}) in {root}")
+        return files
+    found = sorted(root.glob("*.safetensors"))
+    if not found:
+        raise CheckpointError(f"no *.safetensors files (and no {INDEX_NAME}) in {root}")
+    return {f: None for f in found}
+
+
+def _open(file: Path) -> Any:
+    """``safe_open`` (memory mapped), with header/size corruption reported as CheckpointError."""
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError, ...: the file itself is unusable
+        raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {e}") from None
+
+
+def _scan(files: Mapping[Path, Optional[set[str]]]) -> dict[str, _Entry]:
+    """Read every shard header: name -> (file, dtype, shape); check it against the index."""
+    entries: dict[str, _Entry] = {}
+    for file, indexed in files.items():
+        with _open(file) as f:
+            keys = list(f.keys())
+            for name in keys:
+                if name in entries:
+                    raise CheckpointError(f"tensor {name!r} appears in both {entries[name].file.name} "
+                                          f"and {file.name}")
+                sl = f.get_slice(name)
+                entries[name] = _Entry(file, str(sl.get_dtype()), tuple(int(d) for d in sl.get_shape()))
+        if indexed is not None and not indexed <= set(keys):
+            missing = sorted(indexed - set(keys))
+            raise CheckpointError(f"{INDEX_NAME} places {missing[0]!r} in {file.name}, but that file "
+                                  f"does not contain it ({len(missing)} such tensors); re-download it")
+    return entries
+
+
+def _plan(entries: Mapping[str, _Entry]) -> dict[str, str]:
+    """Validate dtypes and weight/scale pairs; name -> "plain"|"fp8"|"fp4" (scales omitted)."""
+    plan: dict[str, str] = {}
+    scales: set[str] = set()
+    for name, e in entries.items():
+        if e.dtype in _QUANT_DTYPES:
+            kind = _QUANT_DTYPES[e.dtype]
+            sname = scale_name(name)
+            se = entries.get(sname)
+            if se is None:
+                raise CheckpointError(f"quantised weight {name!r} ({e.dtype}) has no scale tensor "
+                                      f"{sname!r}; the checkpoint is incomplete")
+            if se.dtype not in _SCALE_DTYPES:
+                raise CheckpointError(f"unsupported dtype {se.dtype} for scale tensor {sname!r} "
+                                      f"(expected F8_E8M0)")
+            if len(e.shape) != 2:
+                raise CheckpointError(f"quantised weight {name!r} must be 2-D, found shape {list(e.shape)}")
+            want = fp8_scale_shape(*e.shape) if kind == "fp8" else fp4_scale_shape(*e.shape)
+            if se.shape != want:
+                raise CheckpointError(f"scale {sname!r} has the wrong shape for {kind} weight {name!r} "
+                                      f"{list(e.shape)}: expected {list(want)}, found {list(se.shape)}")
+            plan[name] = kind
+            scales.add(sname)
+        elif e.dtype in _FLOAT_DTYPES or e.dtype in _INT_DTYPES:
+            plan[name] = "plain"
+    for name, e in entries.items():
+        if name in plan or name in scales:
+            continue
+        if e.dtype == "F8_E8M0":
+            raise CheckpointError(f"scale tensor {name!r} has no quantised weight "
+                                  f"{name.removesuffix('.scale') + '.weight'!r} (F8_E4M3 or I8) to apply to")
+        raise CheckpointError(f"unsupported dtype {e.dtype} for tensor {name!r} in {e.file.name} "
+                              f"(supported: BF16/F16/F32/F64, I32/I64, F8_E4M3 or I8 with an F8_E8M0 .scale)")
+    return plan
+
+
+def _get(f: Any, file: Path, name: str, dtype: str) -> torch.Tensor:
+    """One tensor from an open shard; E8M0 scales are returned as float8_e8m0fnu or uint8 bytes."""
+    try:
+        if dtype == "F8_E8M0" and quant.E8M0 is None:
+            return _raw_bytes(file, name)
+        return f.get_tensor(name)
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read tensor {name!r} from {file}: {e}") from None
+
+
+def _raw_bytes(file: Path, name: str) -> torch.Tensor:
+    """Read a 1-byte-per-element tensor straight from the file (torch without float8_e8m0fnu)."""
+    with open(file, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        meta = json.loads(fh.read(n))[name]
+        start, end = meta["data_offsets"]
+        fh.seek(8 + n + start)
+        data = bytearray(fh.read(end - start))
+    return torch.frombuffer(data, dtype=torch.uint8).view(meta["shape"])
+
+
+# ============================================================================ checking
+def check_tensors(tensors: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> None:
+    """Check a loaded tensor set against the model's parameter shapes; raise CheckpointError.
+
+    ``tensors`` values are tensors (or shapes); ``expected`` maps official names to shapes.
+    """
+    unexpected = [n for n in tensors if n not in expected]
+    if unexpected and len(unexpected) * 2 > len(tensors):
+        example = "layers.0.attn.wq_a.weight"
+        if example not in expected:
+            example = next(iter(expected), example)
+        raise CheckpointError(f"{len(unexpected)} of {len(tensors)} checkpoint tensors have unexpected names "
+                              f"(e.g. {unexpected[0]!r}); the checkpoint seems to use another naming scheme, "
+                              f"expected official DeepSeek V4 names like {example!r}")
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        more = f" and {len(missing) - 1} more are missing" if len(missing) > 1 else ""
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]!r}{more}")
+    if unexpected:
+        more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
+        raise CheckpointError(f"checkpoint has unexpected tensor {unexpected[0]!r}{more}")
+    for name, shape in expected.items():
+        t = tensors[name]
+        found = tuple(t.shape) if hasattr(t, "shape") else tuple(t)
+        if found != tuple(shape):
+            raise CheckpointError(f"tensor {name!r} has shape {list(found)}, expected {list(shape)}")
+
+
+# ============================================================================ writing
+def _stored_nbytes(name: str, t: torch.Tensor, fmt: str, dtype: torch.dtype) -> int:
+    """Bytes a tensor (plus its scale) takes on disk in storage format ``fmt``."""
+    n = t.numel()
+    if fmt == "fp8":
+        return n + fp8_scale_shape(*t.shape)[0] * fp8_scale_shape(*t.shape)[1]
+    if fmt == "fp4":
+        return n // 2 + t.shape[0] * fp4_scale_shape(t.shape[0], t.shape[1] // 2)[1]
+    if fmt == "f32":
+        return 4 * n
+    if fmt == "i64" or not t.is_floating_point():
+        return 8 * n
+    return n * dtype.itemsize
+
+
+def _storage(name: str, t: torch.Tensor, quantize: bool) -> str:
+    fmt = official_storage(name)
+    if fmt in ("fp8", "fp4") and not (quantize and t.dim() == 2):
+        return "float"
+    return fmt
+
+
+def _convert(name: str, t: torch.Tensor, fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """One input tensor -> the tensor(s) stored for it (weight and maybe its scale), on CPU."""
+    t = t.detach().cpu()
+    if fmt in ("fp8", "fp4"):
+        q, s = (quant.quantize_fp8 if fmt == "fp8" else quant.quantize_fp4)(t)
+        return {name: q, scale_name(name): s}
+    if fmt == "i64" or not t.is_floating_point():
+        out = t.to(torch.int64)
+    else:
+        out = t.to(torch.float32 if fmt == "f32" else dtype)
+    if out.data_ptr() == t.data_ptr():
+        out = out.clone()  # never let two saved tensors share storage
+    return {name: out.contiguous()}
+
+
+def save_checkpoint(out_dir: PathLike, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], *,
+                    quantize: bool = False, dtype: torch.dtype = torch.bfloat16, num_shards: int = 1) -> None:
+    """Write ``config.json`` and safetensors in the official layout.
+
+    ``tensors`` are unquantised (float/int) tensors keyed by official name. With
+    ``quantize`` the FP8/FP4 tensors of ``official_storage`` are quantised (2-D weights
+    only) and the config gets ``quantization_config`` and ``expert_dtype``. Other float
+    tensors are stored as ``dtype`` (F32 ones stay F32). ``num_shards > 1`` writes
+    ``model-0000i-of-0000N.safetensors`` of roughly equal size plus the index; a weight
+    always shares its shard with its scale. Stale model files in ``out_dir`` are removed.
+    """
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    bad = [n for n in tensors if n.endswith(".scale")]
+    if bad:
+        raise ValueError(f"save_checkpoint expects dequantised tensors, got scale tensor {bad[0]!r}")
+    fmts = {n: _storage(n, t, quantize) for n, t in tensors.items()}
+    sizes = {n: _stored_nbytes(n, t, fmts[n], dtype) for n, t in tensors.items()}
+    total = sum(sizes.values())
+
+    # Contiguous split by cumulative size: a tensor goes to the shard holding its midpoint.
+    shards: list[list[str]] = [[] for _ in range(num_shards)]
+    done = 0
+    for n in tensors:
+        shards[min(num_shards - 1, int((done + sizes[n] / 2) * num_shards / max(total, 1)))].append(n)
+        done += sizes[n]
+    shards = [s for s in shards if s] or [[]]
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model-*-of-*.safetensors"), out / SINGLE_NAME, out / INDEX_NAME]:
+        stale.unlink(missing_ok=True)
+    cfg = dict(config)
+    if quantize:
+        cfg["quantization_config"] = dict(QUANTIZATION_CONFIG)
+        cfg["expert_dtype"] = "fp4"
+    else:
+        cfg.pop("quantization_config", None)
+        cfg.pop("expert_dtype", None)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (out / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(shards):
+        fname = SINGLE_NAME if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        data: dict[str, torch.Tensor] = {}
+        for n in names:
+            data.update(_convert(n, tensors[n], fmts[n], dtype))
+        save_file(data, str(out / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in data})
+        del data
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
