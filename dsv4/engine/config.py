@@ -1,0 +1,286 @@
+"""Engine configuration: `EngineConfig`, one frozen dataclass validated when it is built.
+
+Validation runs before any weight is read: it reads the checkpoint's `config.json` and
+the *headers* of its safetensors files (tensor names only), nothing else. Every CLI
+flag maps to one field:
+
+    --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
+    --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
+    --num-speculative-tokens --seed --profile
+
+Defaults that depend on the checkpoint are resolved when the config is built, so the
+fields of a built config always hold concrete values (except `profile_dir`):
+
+* `dtype` "auto" -> float32 on cpu, bfloat16 on cuda/npu;
+* `num_speculative_tokens` None -> 1 when the checkpoint has MTP weights, else 0;
+* `prefill_limit` None -> the model's prefill limit (128 for DeepSeek V4);
+* `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
+  prefill chunk fits beside a full batch of decode steps;
+* `max_model_len` None -> min(max_position_embeddings, 2048), and in single-dispatch
+  mode also at most the single-dispatch limit.
+
+A config that cannot run raises `EngineConfigError` with a one-line message that names
+the flag to change (see docs/serving.md section 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4.config import ConfigError, ModelConfig
+
+MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
+DEFAULT_MAX_MODEL_LEN = 2048
+MTP_PREFIX = "mtp.0."
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineConfigError(ValueError):
+    """An engine configuration that cannot run; the message names the CLI flag to change."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Validated engine settings; build with `EngineConfig.create(model=..., **flags)`."""
+
+    model: str
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 8
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    num_speculative_tokens: int | None = None
+    prefill_limit: int | None = None
+    seed: int = 0
+    profile_dir: str | None = None
+    # Resolved from the checkpoint while validating (not arguments).
+    model_config: ModelConfig = field(init=False, repr=False, compare=False)
+    has_mtp: bool = field(init=False)
+
+    @classmethod
+    def create(cls, model: str, **kw: Any) -> "EngineConfig":
+        """Resolve defaults and validate; raises `EngineConfigError`."""
+        return cls(model=model, **kw)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("model", _check_model_dir(self.model))
+        set_("device", _check_device(self.device))
+        set_("dtype", _resolve_dtype(self.dtype, self.device))
+        _check_int("--max-num-seqs", self.max_num_seqs, minimum=1)
+        _check_int("--long-prefill-token-threshold", self.long_prefill_token_threshold, minimum=0,
+                   hint="0 = no extra limit")
+        _check_int("--seed", self.seed, minimum=0)
+        if not isinstance(self.enable_chunked_prefill, bool):
+            raise EngineConfigError(f"--enable-chunked-prefill must be true or false, "
+                                    f"got {self.enable_chunked_prefill!r}")
+        if self.profile_dir is not None:
+            set_("profile_dir", _check_profile_dir(self.profile_dir))
+
+        try:
+            mc = ModelConfig.from_dir(self.model)
+        except ConfigError as e:
+            raise EngineConfigError(f"--model {self.model}: {e}") from None
+        set_("model_config", mc)
+        names = _weight_names(Path(self.model))
+        set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
+
+        # Speculative decoding.
+        k = self.num_speculative_tokens
+        if k is None:
+            k = 1 if self.has_mtp else 0
+        _check_int("--num-speculative-tokens", k, minimum=0)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise EngineConfigError(f"--num-speculative-tokens {k} is out of range; "
+                                    f"use 0..{MAX_SPECULATIVE_TOKENS} (0 = off)")
+        if k > 0 and not self.has_mtp:
+            why = ("num_nextn_predict_layers is 0 in its config.json" if mc.num_nextn_predict_layers == 0
+                   else f"no '{MTP_PREFIX}*' tensors in its safetensors files")
+            raise EngineConfigError(f"--num-speculative-tokens {k} needs MTP weights, but {self.model} has none "
+                                    f"({why}); use --num-speculative-tokens 0")
+        if k > self.mtp_depth:
+            raise EngineConfigError(f"--num-speculative-tokens {k} exceeds the MTP depth {self.mtp_depth} "
+                                    f"of this checkpoint; use --num-speculative-tokens {self.mtp_depth} or less")
+        set_("num_speculative_tokens", k)
+
+        # Prefill limit and step budget.
+        plimit = mc.prefill_limit if self.prefill_limit is None else self.prefill_limit
+        _check_int("prefill_limit", plimit, minimum=1)
+        if plimit > mc.prefill_limit:
+            raise EngineConfigError(f"prefill_limit {plimit} exceeds the prefill limit {mc.prefill_limit} of "
+                                    f"deepseek_v4 (the kernel's tile); it may only be lowered "
+                                    f"(or use --long-prefill-token-threshold)")
+        set_("prefill_limit", plimit)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = plimit + self.max_num_seqs * (1 + k)
+        _check_int("--max-num-batched-tokens", budget, minimum=1)
+        if budget < 1 + k:
+            raise EngineConfigError(f"--max-num-batched-tokens {budget} is smaller than one decode step with "
+                                    f"{k} speculative tokens (1 + K = {1 + k}); raise --max-num-batched-tokens "
+                                    f"to {1 + k} or lower --num-speculative-tokens")
+        set_("max_num_batched_tokens", budget)
+
+        # Context length.
+        max_pos = mc.max_position_embeddings
+        mml = self.max_model_len
+        if mml is None:
+            mml = min(max_pos, DEFAULT_MAX_MODEL_LEN)
+            if self.single_dispatch:
+                mml = min(mml, self.single_dispatch_limit)
+        _check_int("--max-model-len", mml, minimum=2, hint="one prompt token plus one generated token")
+        if mml > max_pos:
+            raise EngineConfigError(f"--max-model-len {mml} exceeds the model's max_position_embeddings "
+                                    f"{max_pos}; lower --max-model-len to {max_pos}")
+        if self.single_dispatch and mml > self.single_dispatch_limit:
+            lim = self.single_dispatch_limit
+            if lim < plimit:
+                raise EngineConfigError(
+                    f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill "
+                    f"limit {lim} set by --max-num-batched-tokens; enable chunked prefill, raise "
+                    f"--max-num-batched-tokens or lower --max-model-len to {lim}")
+            raise EngineConfigError(
+                f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill limit "
+                f"{lim} of deepseek_v4; enable chunked prefill or lower --max-model-len to {lim}")
+        set_("max_model_len", mml)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def single_dispatch(self) -> bool:
+        """Each prompt must go in one dispatch (chunked prefill is off)."""
+        return not self.enable_chunked_prefill
+
+    @property
+    def single_dispatch_limit(self) -> int:
+        """min(prefill limit, step budget): the longest prompt one dispatch can take."""
+        return min(self.prefill_limit, self.max_num_batched_tokens)
+
+    @property
+    def effective_chunk_size(self) -> int:
+        """The most prompt tokens of one request per step (before this step's budget is spent)."""
+        if self.single_dispatch:
+            return self.single_dispatch_limit
+        limit = min(self.prefill_limit, self.max_num_batched_tokens)
+        if self.long_prefill_token_threshold > 0:
+            limit = min(limit, self.long_prefill_token_threshold)
+        return limit
+
+    @property
+    def mtp_depth(self) -> int:
+        """How many drafts the checkpoint supports per step (the MTP block applied recurrently)."""
+        return MAX_SPECULATIVE_TOKENS if self.has_mtp else 0
+
+    @property
+    def torch_dtype(self) -> Any:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def banner_lines(self) -> list[str]:
+        """What the startup banner states (docs/serving.md section 2)."""
+        return [
+            f"device {self.device}, dtype {self.dtype}",
+            f"model prefill limit {self.model_config.prefill_limit}, "
+            f"effective prefill chunk size {self.effective_chunk_size}"
+            + (" (single dispatch)" if self.single_dispatch else ""),
+            f"speculative tokens K = {self.num_speculative_tokens} (MTP weights: {'yes' if self.has_mtp else 'no'})",
+            "chunked prefill with speculative decoding: supported",
+        ]
+
+
+# ---------------------------------------------------------------------- checks
+def _check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        extra = f" ({hint})" if hint else ""
+        raise EngineConfigError(f"{flag} must be {what}{extra}, got {value!r}")
+
+
+def _check_model_dir(model: Any) -> str:
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise EngineConfigError(f"--model must be a checkpoint directory, got {model!r}")
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise EngineConfigError(f"--model {p}: no such directory")
+    if not p.is_dir():
+        raise EngineConfigError(f"--model {p} is not a directory; pass the checkpoint directory")
+    if not (p / "config.json").is_file():
+        raise EngineConfigError(f"--model {p}: no config.json; is this a DeepSeek V4 checkpoint directory?")
+    return str(p)
+
+
+def _check_device(device: Any) -> str:
+    if not isinstance(device, str):
+        raise EngineConfigError(f"--device must be a string such as cpu, cuda, cuda:0 or npu, got {device!r}")
+    kind, sep, idx = device.partition(":")
+    if kind not in ("cpu", "cuda", "npu") or (sep and not idx.isdigit()) or (kind == "cpu" and sep):
+        raise EngineConfigError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or npu")
+    if kind == "cpu":
+        return device
+    import torch
+
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except Exception as e:  # ImportError, or a broken CANN install
+            raise EngineConfigError(f"--device {device} needs the torch_npu package, which failed to import "
+                                    f"({type(e).__name__}: {e}); install torch_npu or use --device cpu") from None
+        backend = getattr(torch, "npu", None)
+    else:
+        backend = torch.cuda
+    if backend is None or not backend.is_available():
+        raise EngineConfigError(f"--device {device}: torch {torch.__version__} sees no {kind} device; "
+                                f"use --device cpu")
+    if sep and int(idx) >= backend.device_count():
+        raise EngineConfigError(f"--device {device}: only {backend.device_count()} {kind} device(s) are visible; "
+                                f"use --device {kind}:0")
+    return device
+
+
+def _resolve_dtype(dtype: Any, device: str) -> str:
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if dtype not in _DTYPES:
+        raise EngineConfigError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
+    return dtype
+
+
+def _check_profile_dir(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise EngineConfigError(f"--profile must be a directory path, got {path!r}")
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise EngineConfigError(f"--profile {p}: not a directory; create it first")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise EngineConfigError(f"--profile {p}: directory is not writable")
+    return str(p)
+
+
+def _weight_names(model_dir: Path) -> set[str]:
+    """Tensor names of a checkpoint, from the index or the safetensors headers only."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text()).get("weight_map")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise EngineConfigError(f"--model {model_dir}: cannot read {index.name} ({e})") from None
+        if not isinstance(wm, dict):
+            raise EngineConfigError(f"--model {model_dir}: {index.name} has no 'weight_map' object")
+        return set(wm)
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:  # reads the header only
+                names.update(h.keys())
+        except Exception as e:  # safetensors raises its own error types
+            raise EngineConfigError(f"--model {model_dir}: cannot read the safetensors header of {f.name} "
+                                    f"({e})") from None
+    return names

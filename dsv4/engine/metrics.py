@@ -1,0 +1,206 @@
+"""Per-request and engine-wide metrics, with the definitions of docs/serving.md section 4.
+
+* TTFT: arrival to first output token.
+* TPOT: (end-to-end latency - TTFT) / (output tokens - 1).
+* Acceptance rate: accepted drafts / drafted tokens.
+* Mean acceptance length: 1 + accepted / verify steps (counts the bonus token; <= K + 1).
+  A verify step is a decode step that carried at least one draft.
+* Per-position acceptance: for draft position i, accepted at i / drafted at i.
+
+Times are `time.monotonic()` seconds unless the caller passes its own clock readings.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _per_position(accepted: Sequence[int], drafted: Sequence[int]) -> list[float]:
+    return [a / d if d else 0.0 for a, d in zip(accepted, drafted)]
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (linear interpolation between closest ranks); None when empty."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    xs = sorted(values)
+
+    def q(frac: float) -> float:
+        pos = frac * (len(xs) - 1)
+        lo, hi = math.floor(pos), math.ceil(pos)
+        return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+    return {"mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
+
+
+@dataclass
+class RequestMetrics:
+    """Timings and speculation counters of one request."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    prompt_tokens: int = 0
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one entry per output token
+    finish_time: float | None = None
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ recording
+    def on_tokens(self, n: int, now: float | None = None) -> None:
+        """`n` output tokens were produced at `now` (a speculative step emits several at once)."""
+        if n <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.extend([now] * n)
+
+    def on_verify(self, num_drafted: int, num_accepted: int) -> None:
+        """One decode step verified `num_drafted` drafts and accepted the first `num_accepted`."""
+        if num_drafted <= 0:
+            return
+        if not 0 <= num_accepted <= num_drafted:
+            raise ValueError(f"accepted {num_accepted} of {num_drafted} drafts")
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.verify_steps += 1
+        for counts, n in ((self.drafted_per_position, num_drafted), (self.accepted_per_position, num_accepted)):
+            if len(counts) < num_drafted:
+                counts.extend([0] * (num_drafted - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def on_finish(self, now: float | None = None) -> None:
+        self.finish_time = time.monotonic() if now is None else now
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        end = self.finish_time if self.finish_time is not None else (self.token_times[-1] if self.token_times else None)
+        return None if end is None else end - self.arrival
+
+    @property
+    def tpot(self) -> float | None:
+        ttft, e2e, n = self.ttft, self.e2e, self.completion_tokens
+        return None if ttft is None or e2e is None or n < 2 else (e2e - ttft) / (n - 1)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        r = _ratio(self.accepted, self.verify_steps)
+        return None if r is None else 1.0 + r
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "timings": {"ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e},
+            "spec": {
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance": _per_position(self.accepted_per_position, self.drafted_per_position),
+            },
+        }
+
+
+@dataclass
+class EngineMetrics:
+    """Totals over finished requests, plus distributions of their timings."""
+
+    start_time: float = field(default_factory=time.monotonic)
+    num_requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    verify_steps: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tpots: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    last_time: float | None = None
+
+    def on_step(self, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+        self.num_steps += 1
+        self.num_prefill_tokens += num_prefill_tokens
+        self.num_decode_tokens += num_decode_tokens
+
+    def add(self, m: RequestMetrics) -> None:
+        """Fold in a finished request."""
+        self.num_requests += 1
+        self.prompt_tokens += m.prompt_tokens
+        self.completion_tokens += m.completion_tokens
+        self.drafted += m.drafted
+        self.accepted += m.accepted
+        self.verify_steps += m.verify_steps
+        for mine, theirs in ((self.drafted_per_position, m.drafted_per_position),
+                             (self.accepted_per_position, m.accepted_per_position)):
+            if len(mine) < len(theirs):
+                mine.extend([0] * (len(theirs) - len(mine)))
+            for i, c in enumerate(theirs):
+                mine[i] += c
+        for xs, v in ((self.ttfts, m.ttft), (self.tpots, m.tpot), (self.e2es, m.e2e)):
+            if v is not None:
+                xs.append(v)
+        end = m.finish_time if m.finish_time is not None else (m.token_times[-1] if m.token_times else None)
+        if end is not None:
+            self.last_time = end if self.last_time is None else max(self.last_time, end)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        r = _ratio(self.accepted, self.verify_steps)
+        return None if r is None else 1.0 + r
+
+    def output_throughput(self, now: float | None = None) -> float | None:
+        """Output tokens per second of wall time since `start_time`."""
+        end = now if now is not None else (self.last_time if self.last_time is not None else time.monotonic())
+        wall = end - self.start_time
+        return self.completion_tokens / wall if wall > 0 else None
+
+    def to_dict(self, now: float | None = None) -> dict[str, Any]:
+        return {
+            "requests": self.num_requests,
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "throughput": {"output_tokens_per_s": self.output_throughput(now)},
+            "timings": {"ttft_s": percentiles(self.ttfts), "tpot_s": percentiles(self.tpots),
+                        "e2e_s": percentiles(self.e2es)},
+            "spec": {
+                "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": self.acceptance_rate,
+                "mean_acceptance_length": self.mean_acceptance_length,
+                "per_position_acceptance": _per_position(self.accepted_per_position, self.drafted_per_position),
+            },
+            "steps": {"count": self.num_steps, "prefill_tokens": self.num_prefill_tokens,
+                      "decode_tokens": self.num_decode_tokens},
+        }

@@ -1,0 +1,81 @@
+"""One generation request and its lifecycle; pure Python (no torch).
+
+    WAITING --admit (slot assigned)--> PREFILL --last chunk done--> DECODE --> FINISHED
+
+A request holds only what the scheduler needs: its prompt, its sampling parameters, how
+many of its tokens are in the model state (`num_computed_tokens`), its output so far and
+its slot, the index 0..max_num_seqs-1 of its row in the model's preallocated state.
+
+Position invariant: while prefilling, `num_computed_tokens` is the start of the next
+chunk. While decoding, `num_computed_tokens == num_tokens - 1`: the last output token
+is not in the state yet, and it is the first row (at position `num_computed_tokens`) of
+the next decode step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dsv4.engine.sampling import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that cannot be served; fails that request alone. One-line message."""
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, no slot yet
+    PREFILL = "prefill"  # has a slot, prompt not fully in the state
+    DECODE = "decode"  # prompt done, generating
+    FINISHED = "finished"
+
+
+# Finish reasons (strings, as they go over the wire).
+FINISH_STOP = "stop"  # EOS, a stop token id or a stop string
+FINISH_LENGTH = "length"  # max_tokens or max_model_len reached
+FINISH_ABORT = "abort"  # cancelled by the client
+FINISH_ERROR = "error"  # failed inside the engine
+
+
+@dataclass(eq=False)
+class Request:
+    """A generation request. The scheduler owns every field below `params`."""
+
+    request_id: Any  # any hashable id, unique among live requests (a str over the wire)
+    prompt_ids: list[int]
+    params: "SamplingParams"
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    slot: int | None = None
+    num_spec: int = 0  # K for this request: 0 when params.speculative is False
+    finish_reason: str | None = None
+    # Scheduler bookkeeping.
+    num_scheduled_tokens: int = 0  # tokens given to this request by the latest schedule()
+    last_scheduled_step: int = -1
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"computed={self.num_computed_tokens}, out={len(self.output_ids)}, slot={self.slot})")

@@ -1,0 +1,233 @@
+"""Sampling parameters, logits -> probabilities, seeded sampling and speculative verification.
+
+* `SamplingParams`: what a request asks for; `validate()` checks values and types (they
+  arrive as msgpack over a socket) and raises `RequestError` with a one-line reason.
+* `logits_to_probs`: temperature, top-k, top-p and min-p for a batch of rows at once.
+  Rows with temperature 0 become one-hot at the argmax.
+* `sample`: one token per row, each row drawn with its own `torch.Generator`, so a seeded
+  request gives the same tokens whatever else runs in the batch.
+* `verify_greedy` / `verify_sampled`: speculative verification of K drafts against the
+  target's K+1 rows (docs/serving.md section 3). `verify_sampled` is standard rejection
+  sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
+  sample from normalize(max(0, p_i - q_i)); if all K are accepted, sample the bonus token
+  from p_K. The emitted tokens are then distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Sequence
+
+import torch
+
+from dsv4.engine.request import RequestError
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LEN = 256
+_U64 = 2**64
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling options. Defaults: greedy, 64 tokens."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    speculative: bool = True  # False: never draft for this request
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "SamplingParams":
+        """Build from a decoded message; unknown keys and bad values raise `RequestError`."""
+        if not isinstance(d, dict):
+            raise RequestError(f"sampling parameters must be a map, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+        p = cls(**d)
+        p.validate()
+        return p
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise `RequestError` naming the first bad parameter."""
+        _int("max_tokens", self.max_tokens, 1)
+        _num("temperature", self.temperature, 0.0, None)
+        _int("top_k", self.top_k, 0)
+        _num("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _num("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, 0)
+            if self.seed >= _U64:
+                raise RequestError(f"seed must be below 2**64, got {self.seed}")
+        if not isinstance(self.stop, (list, tuple)):
+            raise RequestError(f"stop must be a list of strings, got {type(self.stop).__name__}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
+                raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LEN} "
+                                   f"characters, got {s!r:.60}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise RequestError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids entry", t, 0)
+            if vocab_size is not None and t >= vocab_size:
+                raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
+        for name in ("ignore_eos", "speculative"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+
+def _int(name: str, v: Any, minimum: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{name} must be an integer, got {v!r:.60}")
+    if v < minimum:
+        raise RequestError(f"{name} must be >= {minimum}, got {v}")
+
+
+def _num(name: str, v: Any, lo: float, hi: float | None, open_low: bool = False) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number, got {v!r:.60}")
+    if v < lo or (open_low and v == lo) or (hi is not None and v > hi):
+        rng = f"{'(' if open_low else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
+        raise RequestError(f"{name} must be in {rng}, got {v}")
+
+
+def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
+    """A generator for one request (None when it has no seed: sample from the global RNG)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+# ------------------------------------------------------------------ logits -> probs
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N] int, <= 0 = off
+    top_p: torch.Tensor,  # [N], 1 = off
+    min_p: torch.Tensor,  # [N], 0 = off
+) -> torch.Tensor:  # [N, V] float32, rows sum to 1
+    """Apply temperature, then keep top-k, then the top-p nucleus, then p >= min_p * p_max.
+
+    min-p compares each probability with the largest one; the ratio does not change when
+    other tokens are removed, so its place in the order does not matter.
+    """
+    x = logits.float()
+    n, v = x.shape
+    dev = x.device
+    temperature = temperature.to(dev, torch.float32)
+    greedy = temperature <= 0  # [N]
+    x = x / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
+    sorted_x, order = x.sort(dim=-1, descending=True)  # [N, V]
+    pos = torch.arange(v, device=dev)[None, :]  # [1, V]
+
+    k = top_k.to(dev, torch.long)
+    k = torch.where((k <= 0) | (k > v), torch.full_like(k, v), k)
+    sorted_x = sorted_x.masked_fill(pos >= k[:, None], float("-inf"))
+
+    top_p = top_p.to(dev, torch.float32)
+    p_sorted = sorted_x.softmax(dim=-1)
+    before = p_sorted.cumsum(dim=-1) - p_sorted  # mass strictly above each token
+    drop = (before > top_p[:, None]) & (top_p < 1)[:, None]
+    drop[:, 0] = False  # the most likely token always stays
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+
+    min_p = min_p.to(dev, torch.float32)
+    log_min_p = torch.where(min_p > 0, min_p.clamp_min(1e-30).log(), torch.full_like(min_p, float("-inf")))
+    sorted_x = sorted_x.masked_fill(sorted_x < sorted_x[:, :1] + log_min_p[:, None], float("-inf"))
+
+    probs = torch.zeros_like(x).scatter_(-1, order, sorted_x.softmax(dim=-1))
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(x).scatter_(-1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` [N, V] -> LongTensor [N].
+
+    A row with a generator is drawn with it alone, so its tokens depend only on its seed
+    and its own history. Rows without one share the global RNG.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    free = [i for i, g in enumerate(generators) if g is None]
+    if free:
+        idx = torch.tensor(free, device=probs.device)
+        out[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)
+    for i, g in enumerate(generators):
+        if g is not None:
+            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
+    return out
+
+
+# ------------------------------------------------------------------ speculative verification
+def verify_greedy(target_argmax: Sequence[int], drafts: Sequence[int]) -> tuple[int, list[int]]:
+    """Accept the longest prefix of `drafts` equal to the target's argmax, then one target token.
+
+    `target_argmax` has K+1 entries: the target's choice after x_last and after each draft.
+    Returns (number accepted, tokens to emit) with 1 + accepted tokens: the accepted drafts
+    then the correction (first mismatch) or the bonus token (all matched).
+    """
+    if len(target_argmax) != len(drafts) + 1:
+        raise ValueError(f"need K+1 = {len(drafts) + 1} target tokens, got {len(target_argmax)}")
+    a = 0
+    while a < len(drafts) and int(drafts[a]) == int(target_argmax[a]):
+        a += 1
+    return a, [int(d) for d in drafts[:a]] + [int(target_argmax[a])]
+
+
+def verify_sampled(
+    p: torch.Tensor,  # [K+1, V] target probabilities (after temperature/top-k/top-p/min-p)
+    drafts: Sequence[int],  # K drafts
+    q: torch.Tensor | None,  # [K, V] draft probabilities; None = greedy drafter (one-hot q)
+    generator: torch.Generator | None,
+) -> tuple[int, list[int]]:
+    """Rejection sampling of K drafts; returns (number accepted, tokens to emit).
+
+    The generator must live on `p`'s device. It draws K uniforms, then one token (the
+    correction or the bonus), so its use per step depends only on K.
+    """
+    k = len(drafts)
+    if p.shape[0] != k + 1 or (q is not None and q.shape[0] != k):
+        raise ValueError(f"need p [K+1, V] and q [K, V] for K = {k}, got p {tuple(p.shape)}, "
+                         f"q {None if q is None else tuple(q.shape)}")
+    p = p.float()
+    if k:
+        d = torch.tensor([int(t) for t in drafts], device=p.device)
+        rows = torch.arange(k, device=p.device)
+        u = torch.rand(k, generator=generator, device=p.device)
+        p_d = p[rows, d]
+        q_d = torch.ones_like(p_d) if q is None else q.float()[rows, d]
+        # accept with prob min(1, p/q): u < p/q  <=>  u * q < p  (q = 0 and p > 0 accepts)
+        accept = (u * q_d < p_d).tolist()
+        for i, ok in enumerate(accept):
+            if ok:
+                continue
+            residual = p[i].clone()
+            if q is None:
+                residual[int(drafts[i])] = 0.0
+            else:
+                residual = (residual - q[i].float()).clamp_min(0.0)
+            if float(residual.sum()) <= 0:  # p <= q everywhere: only reachable through rounding
+                residual = p[i]
+            tok = int(torch.multinomial(residual, 1, generator=generator))
+            return i, [int(t) for t in drafts[:i]] + [tok]
+    bonus = int(torch.multinomial(p[k], 1, generator=generator))
+    return k, [int(t) for t in drafts] + [bonus]

@@ -1,0 +1,296 @@
+"""The scheduler: which requests run in the next step, and how many tokens each; pure Python.
+
+Call protocol (one engine step):
+
+    out = scheduler.schedule()                 # admit, then plan this step
+    ... runner runs out.prefills and out.decodes in one dispatch, sampler/verifier pick tokens ...
+    for req, start, n in out.prefills:
+        scheduler.on_prefill_done(req, n, first_token if start + n == req.num_prompt_tokens else None)
+    for req, num_tokens in out.decodes:
+        scheduler.on_decode_done(req, emitted)  # 1 + accepted drafts tokens, at most num_tokens
+    # both return the tokens actually appended (cut at EOS / stop ids / max_tokens /
+    # max_model_len); the request may now be FINISHED and its slot free.
+    scheduler.finish(req, "stop")              # e.g. the engine matched a stop string
+    scheduler.abort(request_id)                # the client went away
+
+A prefill entry `(req, start, n)` is the prompt chunk [start, start+n); `start == 0`
+means the slot was just (re)assigned and its state must be reset. A decode entry
+`(req, num_tokens)` feeds `[x_last, d_1 .. d_{num_tokens-1}]` at positions starting
+at `req.num_computed_tokens`. Rows are classified by request state, never by length: a
+1-token tail chunk is still a prefill.
+
+Policy.
+* Admission: first come, first served, while a slot (0..max_num_seqs-1) is free. A
+  slot is freed the moment its request finishes or is aborted.
+* Chunks: `n = min(tokens left, chunk_size, budget left)`, one chunk per request per
+  step, prefills in admission order. In single-dispatch mode a prompt goes whole or
+  waits; a prompt that does not fit the budget left also blocks those behind it, so a
+  long prompt is never overtaken forever by short ones.
+* Decodes: each gets 1 token first (least recently served first), then drafts, capped
+  by `num_spec` and by the room before max_model_len and max_tokens, while budget lasts.
+* No starvation: decodes normally go first (steady TPOT). If in the last step some
+  request was waiting to prefill and got nothing, prefills go first in this step. So
+  a prefill is served at least every other step, and since a prefill-first step always
+  serves a prefill, the next step is decode-first again: decodes also run at least every
+  other step. Progress on the favoured side is guaranteed because the budget is at least
+  1 + K (one decode) and, in single-dispatch mode, at least the longest allowed prompt.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from dsv4.engine.request import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Request,
+    RequestError,
+    RequestStatus,
+)
+
+
+@dataclass
+class SchedulerOutput:
+    """The plan for one step."""
+
+    prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, n)
+    decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, 1 + drafts)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, _, n in self.prefills) + sum(n for _, n in self.decodes)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+
+class Scheduler:
+    """FCFS admission into fixed slots; per-step token budget shared by decodes and prefill chunks."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        chunk_size: int,
+        single_dispatch: bool = False,
+        num_speculative_tokens: int = 0,
+        eos_token_id: int | None = None,
+        vocab_size: int | None = None,
+    ):
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("chunk_size", chunk_size)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if not 0 <= num_speculative_tokens < max_num_batched_tokens:
+            raise ValueError(f"budget {max_num_batched_tokens} cannot hold 1 + K = {1 + num_speculative_tokens}")
+        if single_dispatch and max_model_len - 1 > min(chunk_size, max_num_batched_tokens):
+            raise ValueError("single-dispatch mode needs max_model_len - 1 <= min(chunk_size, budget)")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.budget = max_num_batched_tokens
+        self.chunk_size = chunk_size
+        self.single_dispatch = single_dispatch
+        self.num_spec = num_speculative_tokens
+        self.eos_token_id = eos_token_id
+        self.vocab_size = vocab_size
+
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self._by_id: dict[Any, Request] = {}
+        self._free_slots = list(range(max_num_seqs))  # a heap: lowest slot first
+        self._step = 0
+        self._prefill_first = False  # set when prefills were starved in the last step
+
+    @classmethod
+    def from_config(cls, cfg: Any, eos_token_id: int | None = None) -> "Scheduler":
+        """Build from an `EngineConfig` (or anything with the same attributes)."""
+        mc = getattr(cfg, "model_config", None)
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            chunk_size=cfg.effective_chunk_size,
+            single_dispatch=cfg.single_dispatch,
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            eos_token_id=eos_token_id if eos_token_id is not None else getattr(mc, "eos_token_id", None),
+            vocab_size=getattr(mc, "vocab_size", None),
+        )
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, request: Request) -> None:
+        """Queue a request; raises `RequestError` (for this request only) if it cannot run."""
+        validate = getattr(request.params, "validate", None)
+        if validate is not None:
+            validate(self.vocab_size)
+        if request.request_id in self._by_id:
+            raise RequestError(f"request id {request.request_id!r} is already in use")
+        ids = request.prompt_ids
+        if not isinstance(ids, list):
+            raise RequestError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")
+        if not ids:
+            raise RequestError("the prompt is empty; send at least one token")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+            raise RequestError("prompt token ids must be non-negative integers")
+        if self.vocab_size is not None and max(ids) >= self.vocab_size:
+            raise RequestError(f"prompt token id {max(ids)} is outside the vocabulary (size {self.vocab_size})")
+        if len(ids) > self.max_model_len - 1:
+            raise RequestError(f"the prompt has {len(ids)} tokens, but max_model_len {self.max_model_len} allows "
+                               f"at most {self.max_model_len - 1} (one position is kept for output); "
+                               f"shorten the prompt or raise --max-model-len")
+        if request.params.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {request.params.max_tokens}")
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.output_ids = []
+        request.slot = None
+        request.finish_reason = None
+        request.num_spec = self.num_spec if request.params.speculative else 0
+        self.waiting.append(request)
+        self._by_id[request.request_id] = request
+
+    def get(self, request_id: Any) -> Request | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Finish a request now and free its slot; a no-op if it already finished."""
+        if request.is_finished:
+            return
+        if request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+            heapq.heappush(self._free_slots, request.slot)
+        request.slot = None
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self._by_id.pop(request.request_id, None)
+
+    def abort(self, request_id: Any) -> Request | None:
+        """Cancel a live request; returns it, or None if no live request has that id."""
+        req = self._by_id.get(request_id)
+        if req is not None:
+            self.finish(req, FINISH_ABORT)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    # ------------------------------------------------------------------ planning
+    def schedule(self) -> SchedulerOutput:
+        """Admit waiting requests into free slots and spend this step's budget."""
+        self._step += 1
+        while self.waiting and self._free_slots:
+            req = self.waiting.popleft()
+            req.slot = heapq.heappop(self._free_slots)
+            req.status = RequestStatus.PREFILL
+            self.running.append(req)
+        for req in self.running:
+            req.num_scheduled_tokens = 0
+        prefilling = [r for r in self.running if r.status is RequestStatus.PREFILL]
+        decoding = [r for r in self.running if r.status is RequestStatus.DECODE]
+
+        out = SchedulerOutput()
+        budget = self.budget
+        if self._prefill_first:
+            budget = self._plan_prefills(prefilling, budget, out)
+            budget = self._plan_decodes(decoding, budget, out)
+        else:
+            budget = self._plan_decodes(decoding, budget, out)
+            budget = self._plan_prefills(prefilling, budget, out)
+        self._prefill_first = bool(prefilling) and not out.prefills
+        return out
+
+    def _plan_prefills(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> int:
+        for req in reqs:
+            if budget <= 0:
+                break
+            left = req.num_prompt_tokens - req.num_computed_tokens
+            if self.single_dispatch:
+                if left > budget:
+                    break  # waits whole for a later step; never split, never overtaken
+                n = left
+            else:
+                n = min(left, self.chunk_size, budget)
+            out.prefills.append((req, req.num_computed_tokens, n))
+            req.num_scheduled_tokens = n
+            req.last_scheduled_step = self._step
+            budget -= n
+        return budget
+
+    def _plan_decodes(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> int:
+        reqs = sorted(reqs, key=lambda r: r.last_scheduled_step)  # stable: admission order on ties
+        served = reqs[:budget]
+        budget -= len(served)
+        for req in served:
+            drafts = min(self.draft_room(req), budget)
+            budget -= drafts
+            req.num_scheduled_tokens = 1 + drafts
+            req.last_scheduled_step = self._step
+            out.decodes.append((req, 1 + drafts))
+        return budget
+
+    def draft_room(self, req: Request) -> int:
+        """Most drafts `req` may take now: K, and never past max_model_len or max_tokens.
+
+        A step with d drafts emits up to d + 1 tokens, so d <= room - 1 for both limits.
+        """
+        room_len = self.max_model_len - req.num_tokens - 1
+        room_out = req.params.max_tokens - len(req.output_ids) - 1
+        return max(0, min(req.num_spec, room_len, room_out))
+
+    # ------------------------------------------------------------------ results
+    def on_prefill_done(self, request: Request, n: int, token_id: int | None = None) -> list[int]:
+        """A chunk of `n` prompt tokens is in the state; `token_id` is the first output
+        token, given exactly when this was the last chunk. Returns the tokens appended."""
+        if request.is_finished:
+            return []  # aborted while its step ran
+        if request.status is not RequestStatus.PREFILL or not 0 < n <= request.num_scheduled_tokens:
+            raise ValueError(f"{request!r}: {n} prefill tokens were not scheduled")
+        request.num_computed_tokens += n
+        request.num_scheduled_tokens = 0
+        last = request.num_computed_tokens == request.num_prompt_tokens
+        if last != (token_id is not None):
+            raise ValueError(f"{request!r}: the first output token comes with the last chunk, and only then")
+        if not last:
+            return []
+        request.status = RequestStatus.DECODE
+        return self._append(request, [token_id])
+
+    def on_decode_done(self, request: Request, token_ids: Iterable[int]) -> list[int]:
+        """A decode step emitted `token_ids` (accepted drafts, then the correction or bonus
+        token). Returns the tokens appended, cut at the first finishing token."""
+        if request.is_finished:
+            return []
+        tokens = [int(t) for t in token_ids]
+        if request.status is not RequestStatus.DECODE or not 0 < len(tokens) <= request.num_scheduled_tokens:
+            raise ValueError(f"{request!r}: {len(tokens)} tokens emitted, {request.num_scheduled_tokens} scheduled")
+        request.num_computed_tokens += len(tokens)  # x_last plus the accepted drafts are now committed
+        request.num_scheduled_tokens = 0
+        return self._append(request, tokens)
+
+    def _append(self, req: Request, tokens: list[int]) -> list[int]:
+        p = req.params
+        stop_ids = set(p.stop_token_ids)
+        for i, t in enumerate(tokens):
+            req.output_ids.append(t)
+            if (t == self.eos_token_id and not p.ignore_eos) or t in stop_ids:
+                self.finish(req, FINISH_STOP)
+            elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+                self.finish(req, FINISH_LENGTH)
+            if req.is_finished:
+                return tokens[: i + 1]
+        return tokens

@@ -1,0 +1,283 @@
+"""EngineConfig: defaults resolved from the checkpoint, every validation error names its flag,
+and validation reads config.json and safetensors headers only."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import pytest
+import safetensors
+import torch
+from safetensors.torch import save_file
+
+from dsv4.engine.config import EngineConfig, EngineConfigError
+
+TINY = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "q_lora_rank": 16,
+    "o_lora_rank": 16,
+    "o_groups": 1,
+    "sliding_window": 8,
+    "compress_ratios": [0, 4, 0],
+    "index_head_dim": 16,
+    "moe_intermediate_size": 16,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "max_position_embeddings": 8192,
+    "num_nextn_predict_layers": 1,
+}
+
+
+def make_ckpt(path: Path, mtp_layers: int = 1, mtp_tensors: bool = True, **overrides) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = dict(TINY, num_nextn_predict_layers=mtp_layers, **overrides)
+    (path / "config.json").write_text(json.dumps(cfg))
+    tensors = {"embed.weight": torch.zeros(4, 2)}
+    if mtp_tensors:
+        tensors["mtp.0.enorm.weight"] = torch.ones(2)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    return make_ckpt(tmp_path / "ckpt")
+
+
+def err(match_fn, **kw) -> str:
+    with pytest.raises(EngineConfigError) as e:
+        match_fn(**kw)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_defaults_resolved(ckpt: Path) -> None:
+    c = EngineConfig.create(model=str(ckpt))
+    assert c.has_mtp and c.num_speculative_tokens == 1
+    assert c.dtype == "float32" and c.device == "cpu"
+    assert c.prefill_limit == 128 and c.model_config.prefill_limit == 128
+    assert c.max_model_len == 2048
+    assert c.max_num_batched_tokens == 128 + 8 * 2
+    assert c.effective_chunk_size == 128 and not c.single_dispatch
+    assert c.torch_dtype is torch.float32
+    assert any("chunked prefill with speculative decoding: supported" in s for s in c.banner_lines())
+    # replace() re-validates from resolved values
+    c2 = dataclasses.replace(c, long_prefill_token_threshold=64)
+    assert c2.effective_chunk_size == 64 and c2.has_mtp
+
+
+def test_no_mtp_defaults_to_k0(tmp_path: Path) -> None:
+    c = EngineConfig.create(model=str(make_ckpt(tmp_path / "a", mtp_layers=0)))
+    assert not c.has_mtp and c.num_speculative_tokens == 0 and c.mtp_depth == 0
+    c = EngineConfig.create(model=str(make_ckpt(tmp_path / "b", mtp_tensors=False)))
+    assert not c.has_mtp and c.num_speculative_tokens == 0
+
+
+def test_max_model_len_default_capped_by_positions(tmp_path: Path) -> None:
+    c = EngineConfig.create(model=str(make_ckpt(tmp_path / "a", max_position_embeddings=300)))
+    assert c.max_model_len == 300
+
+
+def test_single_dispatch_exact_message(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), enable_chunked_prefill=False, max_model_len=4096)
+    assert msg == ("chunked prefill is disabled, but max_model_len 4096 exceeds the single-dispatch prefill "
+                   "limit 128 of deepseek_v4; enable chunked prefill or lower --max-model-len to 128")
+
+
+def test_single_dispatch_limit_from_budget(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), enable_chunked_prefill=False, max_model_len=128,
+              max_num_batched_tokens=64)
+    assert "single-dispatch prefill limit 64" in msg and "--max-num-batched-tokens" in msg
+    assert "--max-model-len to 64" in msg
+
+
+def test_single_dispatch_ok(ckpt: Path) -> None:
+    c = EngineConfig.create(model=str(ckpt), enable_chunked_prefill=False)
+    assert c.single_dispatch and c.max_model_len == 128 and c.effective_chunk_size == 128
+    c = EngineConfig.create(model=str(ckpt), enable_chunked_prefill=False, max_model_len=100,
+                            long_prefill_token_threshold=16)
+    assert c.effective_chunk_size == 128  # the threshold only applies when chunking
+
+
+def test_chunk_size_threshold_and_budget(ckpt: Path) -> None:
+    assert EngineConfig.create(model=str(ckpt), long_prefill_token_threshold=64).effective_chunk_size == 64
+    assert EngineConfig.create(model=str(ckpt), max_num_batched_tokens=32).effective_chunk_size == 32
+    assert EngineConfig.create(model=str(ckpt), prefill_limit=16).effective_chunk_size == 16
+
+
+def test_k_without_mtp(tmp_path: Path) -> None:
+    msg = err(EngineConfig.create, model=str(make_ckpt(tmp_path / "a", mtp_layers=0)), num_speculative_tokens=1)
+    assert "--num-speculative-tokens 0" in msg and "num_nextn_predict_layers is 0" in msg
+    msg = err(EngineConfig.create, model=str(make_ckpt(tmp_path / "b", mtp_tensors=False)), num_speculative_tokens=2)
+    assert "--num-speculative-tokens 0" in msg and "mtp.0.*" in msg
+
+
+@pytest.mark.parametrize("k", [-1, 4, 7])
+def test_k_out_of_range(ckpt: Path, k: int) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), num_speculative_tokens=k)
+    assert "--num-speculative-tokens" in msg
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3])
+def test_k_in_range(ckpt: Path, k: int) -> None:
+    assert EngineConfig.create(model=str(ckpt), num_speculative_tokens=k).num_speculative_tokens == k
+
+
+def test_budget_smaller_than_decode_step(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), num_speculative_tokens=3, max_num_batched_tokens=3)
+    assert "--max-num-batched-tokens 3" in msg and "1 + K = 4" in msg and "--num-speculative-tokens" in msg
+    assert EngineConfig.create(model=str(ckpt), num_speculative_tokens=3, max_num_batched_tokens=4)
+
+
+def test_max_model_len_beyond_positions(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), max_model_len=9000)
+    assert msg == "--max-model-len 9000 exceeds the model's max_position_embeddings 8192; lower --max-model-len to 8192"
+
+
+@pytest.mark.parametrize("field,flag,value", [
+    ("max_num_seqs", "--max-num-seqs", 0),
+    ("max_num_seqs", "--max-num-seqs", True),
+    ("max_model_len", "--max-model-len", 1),
+    ("max_num_batched_tokens", "--max-num-batched-tokens", 0),
+    ("long_prefill_token_threshold", "--long-prefill-token-threshold", -1),
+    ("seed", "--seed", -3),
+    ("seed", "--seed", "7"),
+    ("dtype", "--dtype", "int8"),
+    ("device", "--device", "tpu"),
+    ("device", "--device", "cpu:1"),
+    ("enable_chunked_prefill", "--enable-chunked-prefill", "yes"),
+    ("prefill_limit", "prefill_limit", 0),
+])
+def test_bad_values_name_flag(ckpt: Path, field: str, flag: str, value) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), **{field: value})
+    assert msg.startswith(flag), msg
+
+
+def test_prefill_limit_may_only_be_lowered(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), prefill_limit=256)
+    assert "prefill_limit 256 exceeds the prefill limit 128" in msg and "only be lowered" in msg
+
+
+def test_dtype_resolution(ckpt: Path) -> None:
+    assert EngineConfig.create(model=str(ckpt), dtype="bfloat16").dtype == "bfloat16"
+    assert EngineConfig.create(model=str(ckpt), dtype="float16").torch_dtype is torch.float16
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_unavailable(ckpt: Path) -> None:
+    msg = err(EngineConfig.create, model=str(ckpt), device="cuda:0")
+    assert msg.startswith("--device cuda:0") and "--device cpu" in msg
+
+
+def test_npu_without_torch_npu(ckpt: Path) -> None:
+    try:
+        import torch_npu  # noqa: F401
+        pytest.skip("torch_npu is installed")
+    except ImportError:
+        pass
+    msg = err(EngineConfig.create, model=str(ckpt), device="npu")
+    assert msg.startswith("--device npu") and "torch_npu" in msg
+
+
+def test_missing_model(tmp_path: Path) -> None:
+    assert err(EngineConfig.create, model=str(tmp_path / "nope")).startswith("--model ")
+    (tmp_path / "empty").mkdir()
+    msg = err(EngineConfig.create, model=str(tmp_path / "empty"))
+    assert msg.startswith("--model ") and "config.json" in msg
+    (tmp_path / "f").write_text("x")
+    assert err(EngineConfig.create, model=str(tmp_path / "f")).startswith("--model ")
+
+
+def test_bad_config_json_wrapped(tmp_path: Path) -> None:
+    make_ckpt(tmp_path / "a", model_type="llama")
+    msg = err(EngineConfig.create, model=str(tmp_path / "a"))
+    assert msg.startswith("--model ") and "model_type" in msg
+    make_ckpt(tmp_path / "b")
+    (tmp_path / "b" / "config.json").write_text("{not json")
+    assert "not valid JSON" in err(EngineConfig.create, model=str(tmp_path / "b"))
+
+
+def test_profile_dir(ckpt: Path, tmp_path: Path) -> None:
+    assert EngineConfig.create(model=str(ckpt), profile_dir=str(tmp_path)).profile_dir == str(tmp_path)
+    assert err(EngineConfig.create, model=str(ckpt), profile_dir=str(tmp_path / "nope")).startswith("--profile")
+    if os.geteuid() != 0:
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        try:
+            assert "not writable" in err(EngineConfig.create, model=str(ckpt), profile_dir=str(ro))
+        finally:
+            ro.chmod(0o700)
+
+
+def test_frozen(ckpt: Path) -> None:
+    c = EngineConfig.create(model=str(ckpt))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.max_num_seqs = 3  # type: ignore[misc]
+
+
+def test_sharded_index_is_enough(tmp_path: Path) -> None:
+    """The index's weight_map decides; the shards it names are never opened (here: absent)."""
+    d = tmp_path / "sharded"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(TINY))
+    wm = {"embed.weight": "model-00001-of-00002.safetensors",
+          "mtp.0.enorm.weight": "model-00002-of-00002.safetensors"}
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wm}))
+    assert EngineConfig.create(model=str(d)).has_mtp
+    del wm["mtp.0.enorm.weight"]
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    assert not EngineConfig.create(model=str(d)).has_mtp
+
+
+def test_validation_reads_headers_only(ckpt: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only safe_open(...).keys() may be used: any tensor read or full load fails the test."""
+    real = safetensors.safe_open
+    opened = []
+
+    class HeaderOnly:
+        def __init__(self, filename, framework, device="cpu"):
+            opened.append(filename)
+            self._h = real(filename, framework=framework, device=device)
+
+        def __enter__(self):
+            self._h.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._h.__exit__(*exc)
+
+        def keys(self):
+            return self._h.keys()
+
+        def __getattr__(self, name):
+            raise AssertionError(f"validation read weights via safe_open().{name}")
+
+    def forbidden(*a, **k):
+        raise AssertionError("validation loaded weights")
+
+    monkeypatch.setattr(safetensors, "safe_open", HeaderOnly)
+    monkeypatch.setattr("safetensors.torch.load_file", forbidden)
+    monkeypatch.setattr("safetensors.torch.load", forbidden)
+    monkeypatch.setattr(torch, "load", forbidden)
+    c = EngineConfig.create(model=str(ckpt), num_speculative_tokens=2)
+    assert c.has_mtp and opened == [str(ckpt / "model.safetensors")]
+    # and a bad config is rejected the same way, before anything else
+    with pytest.raises(EngineConfigError):
+        EngineConfig.create(model=str(ckpt), enable_chunked_prefill=False, max_model_len=4096)
+
+
+def test_corrupt_safetensors_named(ckpt: Path) -> None:
+    (ckpt / "model.safetensors").write_bytes(b"\x00" * 4)
+    msg = err(EngineConfig.create, model=str(ckpt))
+    assert msg.startswith("--model ") and "model.safetensors" in msg

@@ -1,0 +1,244 @@
+"""Sampling: masks, greedy rows, per-request seeded reproducibility, speculative verification.
+
+The distribution tests draw N = 20000 samples on V = 6 tokens. For multinomial frequencies
+f, E|f_i - p_i| <= sqrt(p_i (1 - p_i) / N), so E[TV] <= 0.5 * sum_i sqrt(p_i (1 - p_i) / N)
+<= 0.5 * sqrt(V - 1) / sqrt(N) ~ 0.008 (Cauchy-Schwarz); its standard deviation is smaller
+still, so 0.02 leaves several sigma of room, while the wrong answer (the draft
+distribution) is at TV >= 0.3 from the target: the bound separates them clearly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dsv4.engine.request import RequestError
+from dsv4.engine.sampling import (
+    SamplingParams,
+    logits_to_probs,
+    make_generator,
+    sample,
+    verify_greedy,
+    verify_sampled,
+)
+
+N_SAMPLES = 20000
+TV_BOUND = 0.02
+
+
+def probs_for(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
+    x = torch.tensor([logits], dtype=torch.float32)
+    t = lambda v, dt=torch.float32: torch.tensor([v], dtype=dt)  # noqa: E731
+    return logits_to_probs(x, t(temperature), t(top_k, torch.long), t(top_p), t(min_p))[0]
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+# ------------------------------------------------------------------ params
+def test_params_validate() -> None:
+    SamplingParams().validate()
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3, stop=["\n"], stop_token_ids=[2]).validate()
+    bad = [
+        dict(max_tokens=0), dict(max_tokens=1.5), dict(max_tokens=True), dict(temperature=-0.1),
+        dict(temperature=float("nan")), dict(temperature="1"), dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5),
+        dict(min_p=-0.1), dict(min_p=2), dict(seed=-1), dict(seed=2**64), dict(seed="1"), dict(stop="x"),
+        dict(stop=[""]), dict(stop=[3]), dict(stop_token_ids=[-1]), dict(stop_token_ids=["a"]),
+        dict(ignore_eos=1), dict(speculative="no"),
+    ]
+    for kw in bad:
+        with pytest.raises(RequestError) as e:
+            SamplingParams(**kw).validate()
+        assert "\n" not in str(e.value) and next(iter(kw)).split("_")[0] in str(e.value), kw
+    with pytest.raises(RequestError, match="vocabulary"):
+        SamplingParams(stop_token_ids=[100]).validate(vocab_size=50)
+
+
+def test_params_from_dict() -> None:
+    p = SamplingParams.from_dict({"max_tokens": 5, "temperature": 0.5, "stop": ["a"]})
+    assert p.max_tokens == 5 and p.stop == ["a"]
+    with pytest.raises(RequestError, match="unknown sampling parameter"):
+        SamplingParams.from_dict({"max_tokenz": 5})
+    with pytest.raises(RequestError):
+        SamplingParams.from_dict([1, 2])
+
+
+# ------------------------------------------------------------------ logits -> probs
+def test_temperature_zero_is_one_hot() -> None:
+    p = probs_for([0.1, 3.0, 2.9, -1.0], temperature=0.0, top_k=1, top_p=0.1)
+    assert p.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_plain_softmax_with_temperature() -> None:
+    logits = [1.0, 2.0, 0.5, -1.0]
+    p = probs_for(logits, temperature=0.5)
+    assert torch.allclose(p, torch.softmax(torch.tensor(logits) / 0.5, -1), atol=1e-6)
+
+
+def test_top_k_mask() -> None:
+    p = probs_for([1.0, 4.0, 3.0, 2.0, 0.0], top_k=2)
+    assert (p > 0).tolist() == [False, True, True, False, False]
+    assert torch.allclose(p[[1, 2]], torch.softmax(torch.tensor([4.0, 3.0]), -1))
+    assert (probs_for([1.0, 4.0, 3.0], top_k=10) > 0).all()  # k >= V: off
+
+
+def test_top_p_mask() -> None:
+    logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().tolist()
+    assert (probs_for(logits, top_p=0.45) > 0).tolist() == [True, False, False, False]  # 0.5 covers 0.45
+    assert (probs_for(logits, top_p=0.6) > 0).tolist() == [True, True, False, False]
+    assert (probs_for(logits, top_p=0.81) > 0).tolist() == [True, True, True, False]
+    p = probs_for(logits, top_p=0.6)
+    assert torch.allclose(p[:2], torch.tensor([0.625, 0.375]), atol=1e-6)
+    assert (probs_for(logits, top_p=1e-6) > 0).sum() == 1  # the top token always stays
+
+
+def test_min_p_mask() -> None:
+    logits = torch.tensor([0.4, 0.3, 0.2, 0.1]).log().tolist()
+    assert (probs_for(logits, min_p=0.5) > 0).tolist() == [True, True, True, False]  # 0.2 >= 0.5*0.4
+    assert (probs_for(logits, min_p=0.8) > 0).tolist() == [True, False, False, False]
+
+
+def test_batched_rows_are_independent() -> None:
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0))
+    t = torch.tensor([0.0, 1.0, 0.7])
+    k = torch.tensor([0, 3, 0])
+    tp = torch.tensor([1.0, 1.0, 0.8])
+    mp = torch.tensor([0.0, 0.0, 0.05])
+    p = logits_to_probs(logits, t, k, tp, mp)
+    assert torch.allclose(p.sum(-1), torch.ones(3))
+    for i in range(3):
+        row = logits_to_probs(logits[i : i + 1], t[i : i + 1], k[i : i + 1], tp[i : i + 1], mp[i : i + 1])[0]
+        assert torch.allclose(p[i], row)
+
+
+# ------------------------------------------------------------------ sampling
+def test_seeded_reproducible_whatever_the_batch() -> None:
+    v = 50
+    logits = torch.randn(1, v, generator=torch.Generator().manual_seed(1))
+    probs = torch.softmax(logits, -1)
+
+    def run(batch_extra: int, seed_others: bool) -> list[int]:
+        g = make_generator(1234)
+        others = [make_generator(99 + i) if seed_others else None for i in range(batch_extra)]
+        toks = []
+        for _ in range(30):
+            rows = torch.cat([torch.softmax(torch.randn(batch_extra, v), -1), probs]) if batch_extra else probs
+            toks.append(int(sample(rows, others + [g])[-1]))
+        return toks
+
+    ref = run(0, False)
+    assert len(set(ref)) > 3  # it really samples
+    assert run(5, False) == ref and run(3, True) == ref
+
+
+def test_greedy_rows_sample_argmax() -> None:
+    p = torch.zeros(2, 5)
+    p[0, 3] = 1.0
+    p[1, 1] = 1.0
+    assert sample(p, [make_generator(0), None]).tolist() == [3, 1]
+
+
+# ------------------------------------------------------------------ verification
+@pytest.mark.parametrize("target,drafts,expected", [
+    ([5], [], (0, [5])),  # K = 0: just the target token
+    ([1, 2, 3, 4], [1, 2, 3], (3, [1, 2, 3, 4])),  # all accepted + bonus
+    ([1, 9, 3, 4], [1, 2, 3], (1, [1, 9])),  # mismatch at 2: correction, rest ignored
+    ([7, 2, 3], [1, 2], (0, [7])),  # first draft wrong
+    ([1, 2, 8], [1, 2], (2, [1, 2, 8])),
+])
+def test_verify_greedy(target, drafts, expected) -> None:
+    assert verify_greedy(target, drafts) == expected
+
+
+def test_verify_greedy_shape_check() -> None:
+    with pytest.raises(ValueError):
+        verify_greedy([1, 2], [1, 2])
+
+
+def test_verify_sampled_with_one_hot_target_is_greedy() -> None:
+    g = make_generator(0)
+    p = torch.zeros(3, 6)
+    p[0, 2], p[1, 4], p[2, 0] = 1, 1, 1
+    assert verify_sampled(p, [2, 4], None, g) == (2, [2, 4, 0])
+    assert verify_sampled(p, [2, 5], None, g) == (1, [2, 4])
+    assert verify_sampled(p, [3, 4], torch.full((2, 6), 1 / 6), g) == (0, [2])
+
+
+P0 = torch.tensor([0.30, 0.25, 0.20, 0.10, 0.10, 0.05])
+Q0 = torch.tensor([0.05, 0.10, 0.10, 0.15, 0.25, 0.35])  # deliberately different
+
+
+def _first_token_freqs(q: torch.Tensor | None, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Frequencies of the 1st emitted token, of the 2nd (when emitted), and the acceptance rate."""
+    v = P0.numel()
+    p = torch.stack([P0.roll(i) for i in range(k + 1)])  # a different target row per position
+    qs = None if q is None else torch.stack([q.roll(i) for i in range(k)])
+    draft_rng = torch.Generator().manual_seed(seed + 1)
+    g = make_generator(seed)
+    first, second = torch.zeros(v), torch.zeros(v)
+    accepted = 0
+    for _ in range(N_SAMPLES):
+        if qs is None:  # greedy drafter: its argmax, a poor guess for the target
+            drafts = [int(Q0.roll(i).argmax()) for i in range(k)]
+        else:
+            drafts = torch.multinomial(qs, 1, generator=draft_rng).squeeze(-1).tolist()
+        a, toks = verify_sampled(p, drafts, qs, g)
+        assert len(toks) == a + 1 and toks[:a] == drafts[:a]
+        accepted += a
+        first[toks[0]] += 1
+        if len(toks) > 1:
+            second[toks[1]] += 1
+    return first / first.sum(), second / max(second.sum(), 1), accepted / (N_SAMPLES * k)
+
+
+def test_rejection_sampling_keeps_target_distribution_sampled_drafter() -> None:
+    assert tv(P0, Q0) >= 0.3  # a verifier that returned the drafts would fail the bound
+    f1, f2, acc = _first_token_freqs(Q0, k=2, seed=0)
+    assert tv(f1, P0) < TV_BOUND
+    assert tv(f2, P0.roll(1)) < 2 * TV_BOUND  # fewer samples reach the second position
+    # expected acceptance of the first draft: sum_x min(p(x), q(x)) = 1 - TV(p, q)
+    assert 0.3 < acc < 0.8
+
+
+def test_rejection_sampling_keeps_target_distribution_greedy_drafter() -> None:
+    # greedy drafter always proposes token 5 (p = 0.05): accepted 5% of the time
+    f1, _, acc = _first_token_freqs(None, k=1, seed=1)
+    assert tv(f1, P0) < TV_BOUND
+    assert math.isclose(acc, float(P0[int(Q0.argmax())]), abs_tol=0.01)
+
+
+def test_verify_sampled_reproducible() -> None:
+    p = torch.softmax(torch.randn(3, 6, generator=torch.Generator().manual_seed(0)), -1)
+    runs = [[verify_sampled(p, [1, 2], None, g) for _ in range(20)] for g in (make_generator(5), make_generator(5))]
+    assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------ acceptance bookkeeping (metrics)
+def test_request_metrics_definitions() -> None:
+    from dsv4.engine.metrics import EngineMetrics, RequestMetrics
+
+    m = RequestMetrics(arrival=10.0, prompt_tokens=7)
+    m.on_tokens(1, now=10.5)  # first token from prefill
+    for drafted, accepted, now in ((2, 2, 10.7), (2, 0, 10.9), (1, 1, 11.1), (0, 0, 11.2)):
+        m.on_verify(drafted, accepted)
+        m.on_tokens(accepted + 1, now=now)
+    m.on_finish(now=11.2)
+    d = m.to_dict()
+    assert d["usage"] == {"prompt_tokens": 7, "completion_tokens": 8}
+    assert d["timings"]["ttft_s"] == pytest.approx(0.5) and d["timings"]["e2e_s"] == pytest.approx(1.2)
+    assert d["timings"]["tpot_s"] == pytest.approx(0.7 / 7)
+    s = d["spec"]
+    assert (s["drafted"], s["accepted"]) == (5, 3) and s["acceptance_rate"] == pytest.approx(0.6)
+    assert s["mean_acceptance_length"] == pytest.approx(1 + 3 / 3)  # 3 verify steps carried drafts
+    assert s["per_position_acceptance"] == pytest.approx([2 / 3, 1 / 2])
+    e = EngineMetrics(start_time=10.0)
+    e.add(m)
+    e.add(m)
+    ed = e.to_dict()
+    assert ed["usage"]["completion_tokens"] == 16 and ed["spec"]["acceptance_rate"] == pytest.approx(0.6)
+    assert ed["timings"]["ttft_s"]["p50"] == pytest.approx(0.5)
+    assert ed["throughput"]["output_tokens_per_s"] == pytest.approx(16 / 1.2)
+    assert RequestMetrics().to_dict()["spec"]["acceptance_rate"] is None
