@@ -83,6 +83,24 @@ class Compressor(nn.Module):
         entries[cs, w] = apply_rope(pooled, cos, sin).to(entries.dtype)
 
 
+    def pool_dense(self, x: torch.Tensor, B: int, S: int, rope: RopeTable) -> torch.Tensor:
+        """Stateless: every complete window of B sequences of S tokens -> entries [B, S//m, d]."""
+        m, d = self.ratio, self.dim
+        n = S // m
+        pos = torch.arange(S, device=x.device)
+        kv = self.wkv(x).float().view(B, S, -1)
+        score = self.wgate(x).float().view(B, S, -1) + self.ape.float()[pos % m]
+        kv, score = kv[:, : n * m].view(B, n, m, -1), score[:, : n * m].view(B, n, m, -1)
+        if self.overlap:
+            prev_kv = torch.cat([torch.zeros_like(kv[:, :1, :, :d]), kv[:, :-1, :, :d]], dim=1)
+            prev_sc = torch.cat([torch.full_like(score[:, :1, :, :d], float("-inf")), score[:, :-1, :, :d]], dim=1)
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, n, 2m, d]
+            score = torch.cat([prev_sc, score[..., d:]], dim=2)
+        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, n, d]
+        cos, sin = rope.cos_sin(torch.arange(n, device=x.device) * m, max_pos=S)  # [n, r/2]
+        return apply_rope(pooled, cos.expand(B, -1, -1), sin.expand(B, -1, -1)).to(x.dtype)
+
+
 class Indexer(nn.Module):
     """Lightning indexer of CSA layers: scores compressed entries, keeps the top-k."""
 
@@ -97,12 +115,18 @@ class Indexer(nn.Module):
                 n_ent: int, visible: torch.Tensor) -> torch.Tensor:
         """Return a bias [T, n_ent]: 0 on the selected entries, -inf elsewhere."""
         self.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
-        T = x.shape[0]
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        cos, sin = rope.cos_sin(batch.positions)
-        q = apply_rope(q, cos, sin)
         keys = ls.idx_entries[batch.slots, :n_ent]  # [T, E, di]
-        scores = torch.einsum("thd,ted->the", q.float(), keys.float()).relu() * self.head_dim ** -0.5
+        return self.select(x, qr, batch.positions, keys, visible, rope)
+
+    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+        """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]."""
+        T, n_ent = x.shape[0], visible.shape[-1]
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        cos, sin = rope.cos_sin(pos)
+        q = apply_rope(q, cos, sin)
+        eq = "thd,ted->the" if keys.dim() == 3 else "thd,ed->the"
+        scores = torch.einsum(eq, q.float(), keys.float()).relu() * self.head_dim ** -0.5
         w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [T, H]
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -135,8 +159,9 @@ class Attention(nn.Module):
         if kind == CSA:
             self.indexer = Indexer(cfg, ratio)
 
-    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable) -> torch.Tensor:
-        """x: [T, D] normed sub-layer input -> [T, D]."""
+    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState | None, rope: RopeTable) -> torch.Tensor:
+        """x: [T, D] normed sub-layer input -> [T, D]. Without state (`ls` None) the
+        batch must be dense: B whole sequences from position 0."""
         cfg = self.cfg
         T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, cfg.sliding_window
         pos, slots = batch.positions, batch.slots
@@ -146,6 +171,8 @@ class Attention(nn.Module):
         q = rms_unweighted(self.wq_b(qr).view(T, H, hd), cfg.rms_norm_eps)
         q = apply_rope(q, cos, sin)  # [T, H, hd]
         kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        if ls is None:
+            return self._out(self._dense(x, qr, q, kv, batch, rope), cos, sin)
 
         # window: write this dispatch's rows, then gather pos-W+1..pos per query
         Rw = ls.win.shape[1]
@@ -170,12 +197,50 @@ class Attention(nn.Module):
                 self.indexer.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
 
         scores = torch.einsum("thd,tkd->thk", q, keys.to(q.dtype)).float() * hd ** -0.5
-        scores = scores + bias.unsqueeze(1)
-        sink = self.attn_sink.float().view(1, H, 1).expand(T, H, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         o = torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys).to(x.dtype)  # [T, H, hd]
-        o = apply_rope(o, cos, sin, inverse=True)
+        return self._out(o, cos, sin)
 
+    def _softmax_with_sink(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [T, H, k] or [B, H, S, k] -> probabilities over k (the sink takes its share)."""
+        shape = [1] * scores.dim()
+        shape[1] = self.n_heads
+        sink = self.attn_sink.float().view(shape).expand(*scores.shape[:-1], 1)
+        return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+    def _dense(self, x, qr, q, kv, batch: Batch, rope: RopeTable) -> torch.Tensor:
+        """Stateless attention over B whole sequences of S tokens -> o [T, H, hd]."""
+        B, S = batch.dense
+        T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, self.cfg.sliding_window
+        i = torch.arange(S, device=x.device)
+        keys = kv.view(B, S, hd)
+        bias = torch.zeros(S, S, device=x.device)
+        bias = bias.masked_fill((i[None, :] > i[:, None]) | (i[None, :] <= i[:, None] - W), float("-inf"))
+        bias = bias.expand(B, S, S)
+        if self.kind != WINDOW and S >= self.ratio:
+            entries = self.compressor.pool_dense(x, B, S, rope)  # [B, n, hd]
+            n = entries.shape[1]
+            visible = torch.arange(n, device=x.device)[None, :] < ((i + 1) // self.ratio)[:, None]  # [S, n]
+            if self.kind == CSA:
+                ikeys = self.indexer.compressor.pool_dense(x, B, S, rope)  # [B, n, di]
+                cb = torch.cat([self.indexer.select(x.view(B, S, -1)[b], qr.view(B, S, -1)[b], i, ikeys[b],
+                                                    visible, rope) for b in range(B)])
+                cbias = cb.view(B, S, n)
+            else:
+                cbias = torch.zeros(S, n, device=x.device).masked_fill(~visible, float("-inf")).expand(B, S, n)
+            keys = torch.cat([keys, entries], dim=1)  # [B, S+n, hd]
+            bias = torch.cat([bias, cbias], dim=2)
+        qb = q.view(B, S, H, hd)
+        scores = torch.einsum("bshd,bkd->bhsk", qb, keys.to(q.dtype)).float() * hd ** -0.5
+        probs = self._softmax_with_sink(scores + bias.unsqueeze(1))  # [B, H, S, S+n]
+        o = torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys)
+        return o.reshape(T, H, hd).to(x.dtype)
+
+    def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE and the grouped low-rank output projection: [T, H, hd] -> [T, D]."""
+        cfg = self.cfg
+        T = o.shape[0]
+        o = apply_rope(o, cos, sin, inverse=True)
         G = cfg.o_groups
         wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)  # [G, O, H*hd/G]
         o = torch.einsum("tgi,goi->tgo", o.reshape(T, G, -1), wo_a)  # [T, G, O]

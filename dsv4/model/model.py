@@ -46,7 +46,7 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{p}_base", nn.Parameter(torch.zeros(mix)))
             self.register_parameter(f"hc_{p}_scale", nn.Parameter(torch.ones(3)))
 
-    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: Batch, ls: LayerState | None, rope: RopeTable) -> torch.Tensor:
         """x: [T, hc, D] -> [T, hc, D]."""
         cfg = self.cfg
         y, post, comb = HyperConnection.pre(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, cfg)
@@ -110,21 +110,25 @@ class DeepseekV4(nn.Module):
         return F.linear(y, self.head.weight).float()
 
     # ---------------------------------------------------------------- stateful
-    def forward_batch(self, batch: Batch, state: ModelState,
+    def forward_batch(self, batch: Batch, state: ModelState | None,
                       logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One dispatch of the main model -> (hidden [T, hc, D], logits [N, vocab]).
 
-        `logits_index` picks token rows for the head (default: every row).
+        `logits_index` picks token rows for the head (default: every row). With
+        `state` None the batch must be `Batch.whole(...)` (stateless, dense attention).
         """
-        state.begin(batch)
+        if state is not None:
+            state.begin(batch)
+        elif batch.dense is None:
+            raise ValueError("a stateless dispatch needs Batch.whole(input_ids)")
         h = self.embed(batch.input_ids)  # [T, D]
         h = h.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
-        for layer, ls in zip(self.layers, state.layers):
-            h = layer(h, batch, ls, self._rope(layer.kind))
+        for i, layer in enumerate(self.layers):
+            h = layer(h, batch, state.layers[i] if state is not None else None, self._rope(layer.kind))
         sel = h if logits_index is None else h[logits_index]
         return h, self._logits(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, self.norm)
 
-    def mtp_forward(self, batch: Batch, hidden: torch.Tensor, state: ModelState,
+    def mtp_forward(self, batch: Batch, hidden: torch.Tensor, state: ModelState | None,
                     logits_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP over pairs (h_t [T, hc, D], x_{t+1} = batch.input_ids) at positions t.
 
@@ -133,10 +137,11 @@ class DeepseekV4(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP weights")
         mtp: MTPBlock = self.mtp[0]
-        state.begin(batch, mtp=True)
+        if state is not None:
+            state.begin(batch, mtp=True)
         e = mtp.enorm(self.embed(batch.input_ids))  # [T, D]
         z = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hidden))  # [T, hc, D]
-        z = mtp(z, batch, state.mtp, self.rope_main)
+        z = mtp(z, batch, state.mtp if state is not None else None, self.rope_main)
         sel = z if logits_index is None else z[logits_index]
         return z, self._logits(sel, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
 
@@ -145,10 +150,7 @@ class DeepseekV4(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward from position 0: [B, S] -> logits [B, S, vocab]."""
         B, S = input_ids.shape
-        state = ModelState(self.cfg, B, S, max_chunk=S, max_spec=0, with_mtp=False,
-                           device=input_ids.device, dtype=self.embed.weight.dtype)
-        rows = [(b, 0, input_ids[b].tolist()) for b in range(B)]
-        _, logits = self.forward_batch(Batch.build(rows, input_ids.device), state)
+        _, logits = self.forward_batch(Batch.whole(input_ids), None)
         return logits.view(B, S, -1)
 
 

@@ -43,6 +43,16 @@ class Batch:
     positions: torch.Tensor  # [T] long, absolute
     slots: torch.Tensor  # [T] long
     rows: list[tuple[int, int, int]]  # (slot, start, n) per row, in packing order
+    dense: tuple[int, int] | None = None  # (B, S) for stateless whole sequences from position 0
+
+    @classmethod
+    def whole(cls, input_ids: torch.Tensor) -> "Batch":
+        """B whole sequences [B, S] from position 0, for the stateless (dense) path."""
+        B, S = input_ids.shape
+        dev = input_ids.device
+        pos = torch.arange(S, device=dev).repeat(B)
+        slots = torch.arange(B, device=dev).repeat_interleave(S)
+        return cls(input_ids.reshape(-1), pos, slots, [(b, 0, S) for b in range(B)], (B, S))
 
     @classmethod
     def build(cls, rows: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "Batch":
