@@ -1,0 +1,186 @@
+"""The engine loop: requests in, streamed outputs out.
+
+    step():  plan = scheduler.schedule()        # pure Python: who runs, how many tokens
+             results = runner.execute(plan)     # one batched dispatch + sampling + MTP drafts
+             for each request: scheduler takes the tokens (cuts at EOS/stop ids/limits),
+                               the detokenizer and stop strings turn them into text,
+                               metrics record times and acceptance
+
+The daemon and the offline `LLM` API both drive this same loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ..model.loader import load_model
+from .config import EngineConfig
+from .metrics import EngineMetrics, RequestMetrics
+from .request import FINISH_ABORT, FINISH_STOP, Request, RequestError
+from .runner import Runner
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .stop import StopChecker
+from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+
+
+@dataclass
+class RequestOutput:
+    """New output of one request since the previous one."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per token: "draft" or "target"
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+@dataclass
+class _Track:
+    """Engine-side companions of a request: text, stop strings, metrics."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    stop: StopChecker
+    metrics: RequestMetrics
+
+
+class Engine:
+    """DeepSeek V4 with chunked prefill and MTP speculative decoding, for many requests."""
+
+    def __init__(self, config: EngineConfig, *, progress: Callable[[int, int], None] | None = None):
+        self.config = config
+        self.device = torch.device(config.device)
+        try:
+            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
+        except TokenizerError:
+            self.tokenizer = None  # token-id prompts only
+        self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype, progress=progress)
+        self.scheduler = Scheduler.from_config(config)
+        self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                             max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                             device=self.device)
+        self.metrics = EngineMetrics()
+        self.started = time.time()
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None, prompt_mode: str = "auto", system: str | None = None,
+                    thinking: bool = False) -> str:
+        """Queue a request; raises `RequestError` (for this request alone) when it cannot run."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json; send token ids instead of text")
+            try:
+                ids = self.tokenizer.encode_prompt(prompt, mode=prompt_mode, system=system, thinking=thinking)
+            except TokenizerError as e:
+                raise RequestError(str(e)) from None
+        else:
+            ids = prompt
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._tracks:
+            raise RequestError(f"request id {rid!r} is already in use")
+        req = Request(rid, ids, params)
+        self.scheduler.add(req)  # validates; raises RequestError
+        detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
+        self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop)),
+                                   RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; its slot is free at once. False if it is not live."""
+        track = self._tracks.pop(str(request_id), None)
+        if track is None:
+            return False
+        self.scheduler.abort(track.request.request_id)
+        track.metrics.on_finish()
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        results = self.runner.execute(plan.prefills, plan.decodes)
+        self.metrics.on_step(sum(n for _, _, n in plan.prefills), sum(n for _, n in plan.decodes))
+        now = time.monotonic()
+        outs: list[RequestOutput] = []
+        for req, start, n in plan.prefills:
+            res = results.get(req.slot) if start + n == req.num_prompt_tokens else None
+            toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
+            if res is not None:
+                outs.append(self._emit(req, toks, res.sources, now))
+        for req, n in plan.decodes:
+            res = results[req.slot] if req.slot is not None else None
+            if res is None:
+                continue
+            toks = self.scheduler.on_decode_done(req, res.tokens)
+            track = self._tracks.get(req.request_id)
+            if track is not None and res.num_drafted:
+                track.metrics.on_verify(res.num_drafted, res.num_accepted)
+            outs.append(self._emit(req, toks, res.sources, now))
+        return [o for o in outs if o is not None]
+
+    def _emit(self, req: Request, toks: list[int], sources: list[str], now: float) -> RequestOutput | None:
+        track = self._tracks.get(req.request_id)
+        if track is None:  # aborted meanwhile
+            return None
+        track.metrics.on_tokens(len(toks), now)
+        out = RequestOutput(req.request_id, token_ids=list(toks), sources=list(sources[: len(toks)]))
+        if track.detok is not None:
+            text = "".join(track.detok.push(t) for t in toks if not self._is_eos(req, t))
+            if req.is_finished:
+                text += track.detok.flush()
+            emit, stopped = track.stop.feed(text)
+            if stopped and not req.is_finished:
+                self.scheduler.finish(req, FINISH_STOP)
+            if req.is_finished and not stopped:
+                emit += track.stop.flush()
+            out.text = emit
+        if req.is_finished:
+            track.metrics.on_finish(now)
+            self.metrics.add(track.metrics)
+            out.finished, out.finish_reason = True, req.finish_reason
+            out.metrics = track.metrics.to_dict()
+            del self._tracks[req.request_id]
+        return out
+
+    def _is_eos(self, req: Request, t: int) -> bool:
+        p = req.params
+        return (t == self.scheduler.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        s = self.scheduler
+        return {
+            "model": self.config.model,
+            "device": str(self.device),
+            "dtype": self.config.dtype,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
+            "uptime_s": time.time() - self.started,
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "state_bytes": self.runner.state.nbytes_per_slot() * self.config.max_num_seqs,
+            "totals": self.metrics.to_dict(),
+        }
+
+    def abort_all(self, reason: str = FINISH_ABORT) -> list[RequestOutput]:
+        outs = []
+        for rid in list(self._tracks):
+            self.abort(rid)
+            outs.append(RequestOutput(rid, finished=True, finish_reason=reason))
+        return outs

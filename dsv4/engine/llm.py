@@ -1,0 +1,70 @@
+"""Offline API: `LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`.
+
+Runs the same engine loop as the daemon, in-process. `model` defaults to the
+embedded tiny Shakespeare model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from .. import DEFAULT_MODEL
+from .config import EngineConfig
+from .engine import Engine, RequestOutput
+from .sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    """The whole result of one request."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    metrics: dict[str, Any] | None = None
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options: Any):
+        self.engine = Engine(EngineConfig.create(model=str(model or DEFAULT_MODEL), **engine_options))
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, **prompt_options: Any
+                 ) -> list[Completion]:
+        """Run every prompt to completion (all batched together); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        done: dict[str, Completion] = {}
+        order = [self.engine.add_request(p, sp, **prompt_options) for p, sp in zip(prompts, plist)]
+        for rid in order:
+            done[rid] = Completion(rid)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                _merge(done[out.request_id], out)
+        return [done[r] for r in order]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
+               **prompt_options: Any) -> Iterator[RequestOutput]:
+        """Yield the deltas of one request as they are produced."""
+        rid = self.engine.add_request(prompt, params, **prompt_options)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+
+def _merge(c: Completion, out: RequestOutput) -> None:
+    c.text += out.text
+    c.token_ids += out.token_ids
+    c.sources += out.sources
+    if out.finished:
+        c.finish_reason, c.metrics = out.finish_reason, out.metrics

@@ -1,0 +1,204 @@
+"""The model runner: the only engine code that builds tensors.
+
+One `execute(plan)` call runs a scheduler step:
+
+1. one batched dispatch of the main model over every prefill chunk and every decode
+   row `[x_last, d_1..d_k]` of the step;
+2. sampling of first tokens (last prefill chunk) and verification of drafts (greedy
+   acceptance, or rejection sampling when temperature > 0), then rollback of the
+   rejected positions;
+3. the MTP drafter over the newly completed pairs (h_t, x_{t+1}) of every
+   speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
+   drafts. During prefill, pairs use the next *prompt* token; the last row of a
+   non-final chunk is the pending row, kept until the next chunk (or the first
+   sampled token) completes it. Drafts written into the MTP cache past the
+   committed pairs are rolled back before the next step.
+
+The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
+the current drafts. The scheduler owns lengths and token lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..model.model import DeepseekV4
+from ..model.state import Batch
+from .request import Request
+from .sampling import logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
+
+
+@dataclass
+class StepResult:
+    """What one step produced for one request, before the scheduler cuts it."""
+
+    tokens: list[int]
+    num_drafted: int = 0
+    num_accepted: int = 0
+    sources: list[str] = field(default_factory=list)
+
+
+class Runner:
+    """Runs planned steps on a `DeepseekV4` with slot state for `max_num_seqs` requests."""
+
+    def __init__(self, model: DeepseekV4, *, max_num_seqs: int, max_model_len: int, max_chunk: int,
+                 num_spec: int, device: torch.device):
+        self.model, self.device, self.num_spec = model, device, num_spec
+        self.state = model.new_state(max_num_seqs, max_model_len + num_spec + 1,
+                                     max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1)
+        # +1: the MTP dispatch of a last prefill chunk also takes the pending row
+        self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
+        self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
+        self.generators: dict[int, torch.Generator | None] = {}
+        # Tests may replace the drafter: (request, output tokens so far including this
+        # step's, the MTP's drafts) -> drafts
+        self.draft_override: Callable[[Request, list[int], list[int]], list[int]] | None = None
+
+    def reset_slot(self, req: Request) -> None:
+        slot = req.slot
+        self.state.free(slot)
+        self.pending.pop(slot, None)
+        self.drafts.pop(slot, None)
+        self.generators[slot] = make_generator(req.params.seed, self.device)
+
+    # ------------------------------------------------------------------ one step
+    @torch.no_grad()
+    def execute(self, prefills: list[tuple[Request, int, int]],
+                decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
+        """Run one step; returns results keyed by slot (prefill chunks that are not the
+        last have none)."""
+        rows, want = [], []  # want: (kind, request, start position, first packed index, n)
+        off = 0
+        for req, start, n in prefills:
+            if start == 0:
+                self.reset_slot(req)
+            rows.append((req.slot, start, req.prompt_ids[start:start + n]))
+            want.append(("prefill", req, start, off, n))
+            off += n
+        for req, n in decodes:
+            toks = [req.last_token_id] + self.drafts.get(req.slot, [])[: n - 1]
+            if len(toks) != n:
+                raise RuntimeError(f"{req!r}: {n} tokens scheduled, {len(toks) - 1} drafts available")
+            rows.append((req.slot, req.num_computed_tokens, toks))
+            want.append(("decode", req, req.num_computed_tokens, off, n))
+            off += n
+        if not rows:
+            return {}
+        batch = Batch.build(rows, self.device)
+        idx, last_chunk = [], set()
+        for kind, req, start, o, n in want:
+            if kind == "decode":
+                idx.extend(range(o, o + n))
+            elif start + n == req.num_prompt_tokens:  # the last chunk samples the first token
+                idx.append(o + n - 1)
+                last_chunk.add(req.slot)
+        logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
+        hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
+
+        results: dict[int, StepResult] = {}
+        reqs_rows = []  # (request, logits row offset, n rows)
+        lo = 0
+        for kind, req, _, o, n in want:
+            if kind == "decode":
+                reqs_rows.append((req, lo, n))
+                lo += n
+            elif req.slot in last_chunk:
+                reqs_rows.append((req, lo, 1))
+                lo += 1
+        probs = self._probs(logits, [r for r, _, n in reqs_rows for _ in range(n)])
+        for req, lo, n in reqs_rows:
+            p = probs[lo:lo + n]
+            gen = self.generators.get(req.slot)
+            if n == 1 and req.slot in last_chunk:
+                tok = int(sample(p, [gen])[0]) if not req.params.greedy else int(p[0].argmax())
+                results[req.slot] = StepResult([tok], sources=["target"])
+                continue
+            drafts = self.drafts.get(req.slot, [])[: n - 1]
+            if req.params.greedy:
+                acc, toks = verify_greedy(p.argmax(dim=-1).tolist(), drafts)
+            else:
+                acc, toks = verify_sampled(p, drafts, None, gen)
+            start = req.num_computed_tokens
+            self.state.rollback(req.slot, start + 1 + acc)
+            results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
+        self._draft(want, hidden, results)
+        return results
+
+    def _probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        if not reqs:
+            return logits
+        if all(r.params.greedy for r in reqs):
+            return logits  # argmax is all greedy needs
+        t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=logits.device)  # noqa: E731
+        ps = [r.params for r in reqs]
+        return logits_to_probs(logits, t([p.temperature for p in ps], torch.float32),
+                               t([p.top_k for p in ps], torch.long), t([p.top_p for p in ps], torch.float32),
+                               t([p.min_p for p in ps], torch.float32))
+
+    # ------------------------------------------------------------------ MTP
+    def _draft(self, want, hidden: torch.Tensor, results: dict[int, StepResult]) -> None:
+        """Run the MTP over the pairs this step completed and propose the next drafts."""
+        if self.num_spec == 0 or not self.model.has_mtp:
+            return
+        rows, hs, heads = [], [], []  # heads: (request, packed index of the row that yields a draft)
+        off = 0
+        for kind, req, start, o, n in want:
+            if req.num_spec == 0:
+                continue
+            slot = req.slot
+            res = results.get(slot)
+            if kind == "prefill":
+                pairs_h = [hidden[o:o + n - 1]]
+                nxt = req.prompt_ids[start + 1:start + n]
+                t0 = start
+                if start > 0:  # the pending row of the previous chunk
+                    pairs_h.insert(0, self.pending.pop(slot).unsqueeze(0))
+                    nxt = [req.prompt_ids[start]] + nxt
+                    t0 = start - 1
+                self.pending[slot] = hidden[o + n - 1].clone()
+                if res is not None:  # the last chunk: the first token completes the pending row
+                    pairs_h.append(self.pending.pop(slot).unsqueeze(0))
+                    nxt = nxt + [res.tokens[0]]
+            else:
+                acc = res.num_accepted
+                t0 = start
+                pairs_h = [hidden[o:o + acc + 1]]
+                nxt = res.tokens[: acc + 1]
+            if not nxt:
+                continue
+            self.state.rollback(slot, self.state.lengths[slot], mtp_length=t0)
+            rows.append((slot, t0, nxt))
+            hs.extend(pairs_h)
+            if res is not None:
+                heads.append((req, off + len(nxt) - 1))
+            off += len(nxt)
+        if not rows:
+            return
+        batch = Batch.build(rows, self.device)
+        hid = torch.cat(hs)
+        head_idx = torch.tensor([i for _, i in heads], dtype=torch.long, device=self.device)
+        z, logits = self.model.mtp_forward(batch, hid, self.state, head_idx)
+        drafts = {req.slot: [int(t)] for (req, _), t in zip(heads, logits.argmax(dim=-1).tolist())}
+        z_last = z[head_idx]  # [R, hc, D]
+        committed = {req.slot: self.state.mtp_lengths[req.slot] for req, _ in heads}
+        for depth in range(1, self.num_spec):
+            deeper = [(i, req) for i, (req, _) in enumerate(heads) if req.num_spec > depth]
+            if not deeper:
+                break
+            rows = [(req.slot, self.state.mtp_lengths[req.slot], [drafts[req.slot][-1]]) for _, req in deeper]
+            sel = torch.tensor([i for i, _ in deeper], dtype=torch.long, device=self.device)
+            z_next, lg = self.model.mtp_forward(Batch.build(rows, self.device), z_last[sel], self.state)
+            for (i, req), t in zip(deeper, lg.argmax(dim=-1).tolist()):
+                drafts[req.slot].append(int(t))
+            z_last = z_last.clone()
+            z_last[sel] = z_next
+        for req, _ in heads:  # speculative rows beyond the committed pairs are forgotten
+            self.state.rollback(req.slot, self.state.lengths[req.slot], mtp_length=committed[req.slot])
+            d = drafts[req.slot]
+            if self.draft_override is not None:
+                d = self.draft_override(req, req.output_ids + results[req.slot].tokens, d)
+            self.drafts[req.slot] = d
+

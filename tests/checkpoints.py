@@ -1,0 +1,34 @@
+"""Write small random DeepSeek V4 checkpoints in the official layout, for tests."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+import dsv4
+from dsv4.model.checkpoint import save_checkpoint
+from dsv4.model.model import DeepseekV4, init_random
+from tests.model.tiny import tiny_config, tiny_dict
+
+TOKENIZER_DIR = Path(dsv4.__file__).parent / "assets" / "tiny-shakespeare"
+
+
+def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, quantize: bool = False, num_shards: int = 1,
+                          with_tokenizer: bool = True, **over) -> DeepseekV4:
+    """A tiny random model (vocab 4096, the embedded tokenizer) saved in fp32 official layout.
+
+    Returns the model (fp32, the exact weights written unless `quantize`).
+    """
+    path = Path(path)
+    over.setdefault("vocab_size", 4096)
+    cfg = tiny_config(**over)
+    torch.manual_seed(seed)
+    model = init_random(DeepseekV4(cfg), seed=seed).eval()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    save_checkpoint(path, sd, tiny_dict(**over), quantize=quantize, dtype=torch.float32, num_shards=num_shards)
+    if with_tokenizer:
+        for f in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(TOKENIZER_DIR / f, path / f)
+    return model

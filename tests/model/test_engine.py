@@ -1,0 +1,167 @@
+"""The engine end to end in-process (tiny random checkpoint, fp32 CPU): MTP never changes
+greedy output, chunked prefill keeps the drafter exact, acceptance bookkeeping, sampling."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.request import RequestError
+from dsv4.model.state import Batch
+from tests.checkpoints import write_tiny_checkpoint
+
+LENGTHS = [1, 2, 127, 128, 129, 255, 256, 257, 300]  # 300: past the window, many windows closed
+GEN = 10
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model = write_tiny_checkpoint(d)
+    return d, model
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(ckpt_dir, prompts, K, seqs, **kw):
+    llm = LLM(ckpt_dir, num_speculative_tokens=K, max_num_seqs=seqs, max_model_len=512, **kw)
+    return llm.generate(prompts, SamplingParams(max_tokens=GEN, ignore_eos=True))
+
+
+@pytest.mark.parametrize("limit", [16, 128])
+def test_greedy_with_mtp_equals_without(ckpt, limit):
+    prompts = _prompts(LENGTHS)
+    ref = [c.token_ids for c in _run(ckpt[0], prompts, 0, 8, prefill_limit=limit)]
+    assert all(len(r) == GEN for r in ref)
+    for K, seqs in ((1, 1), (1, 8), (2, 8), (3, 8)):
+        out = [c.token_ids for c in _run(ckpt[0], prompts, K, seqs, prefill_limit=limit)]
+        assert out == ref, (K, seqs)
+
+
+def test_greedy_unchunked(ckpt):
+    prompts = _prompts([1, 2, 60, 100])
+    kw = dict(enable_chunked_prefill=False, max_model_len=128)
+    llm0 = LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=4, **kw)
+    ref = [c.token_ids for c in llm0.generate(prompts, SamplingParams(max_tokens=GEN, ignore_eos=True))]
+    for K in (1, 3):
+        llm = LLM(ckpt[0], num_speculative_tokens=K, max_num_seqs=4, **kw)
+        assert [c.token_ids for c in llm.generate(prompts, SamplingParams(max_tokens=GEN, ignore_eos=True))] == ref
+
+
+def test_engine_greedy_equals_full_forward_chain(ckpt):
+    d, model = ckpt
+    prompt = _prompts([140], seed=3)[0]
+    ids = list(prompt)
+    for _ in range(GEN):
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    for K in (0, 1):
+        (c,) = _run(d, [prompt], K, 1, prefill_limit=16)
+        assert c.token_ids == ids[len(prompt):]
+
+
+def _prefilled(d, prompt, limit):
+    llm = LLM(d, num_speculative_tokens=1, max_num_seqs=1, max_model_len=512, prefill_limit=limit)
+    eng = llm.engine
+    eng.add_request(prompt, SamplingParams(max_tokens=5, ignore_eos=True))
+    while not any(o.token_ids for o in eng.step()):
+        pass
+    return eng.runner
+
+
+def test_mtp_state_after_chunked_prefill_equals_whole(ckpt):
+    prompt = _prompts([100], seed=4)[0]
+    whole, chunked = _prefilled(ckpt[0], prompt, 128), _prefilled(ckpt[0], prompt, 16)
+    assert chunked.state.mtp_lengths[0] == whole.state.mtp_lengths[0] == 100
+    a, b = whole.state.snapshot(0), chunked.state.snapshot(0)
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5, rtol=0), k
+    assert chunked.drafts[0] == whole.drafts[0]
+
+
+@pytest.mark.parametrize("K", [1, 3])
+def test_oracle_and_wrong_drafters(ckpt, K):
+    d = ckpt[0]
+    prompts = _prompts([37, 129], seed=5)
+    n = 1 + (K + 1) * 4  # every verify step can take all K drafts
+    ref_llm = LLM(d, num_speculative_tokens=0, max_num_seqs=2, max_model_len=512)
+    ref = [c.token_ids for c in ref_llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))]
+    by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
+    for oracle in (True, False):
+        llm = LLM(d, num_speculative_tokens=K, max_num_seqs=2, max_model_len=512)
+
+        def drafter(req, out_so_far, proposed, oracle=oracle):
+            cont = by_prompt[tuple(req.prompt_ids)]
+            i = len(out_so_far)
+            truth = cont[i:i + K] + [0] * K
+            return truth[:K] if oracle else [(t + 1) % 4096 for t in truth[:K]]
+
+        llm.engine.runner.draft_override = drafter
+        out = llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+        assert [c.token_ids for c in out] == ref
+        for c in out:
+            spec = c.metrics["spec"]
+            if oracle:
+                assert spec["drafted"] == 4 * K
+                assert spec["acceptance_rate"] == 1.0 and spec["mean_acceptance_length"] == K + 1
+                assert c.sources.count("draft") == 4 * K
+            else:
+                assert spec["drafted"] >= 4 * K
+                assert spec["acceptance_rate"] == 0.0 and spec["mean_acceptance_length"] == 1.0
+                assert "draft" not in c.sources
+
+
+def test_rejection_sampling_keeps_the_distribution(tmp_path):
+    """Vocabulary of 8: the sampled second token has the same distribution with MTP as without."""
+    write_tiny_checkpoint(tmp_path, vocab_size=8, with_tokenizer=False, seed=7)
+    n = 800
+    freqs = []
+    for K in (0, 1):
+        llm = LLM(tmp_path, num_speculative_tokens=K, max_num_seqs=8, max_model_len=64)
+        params = [SamplingParams(max_tokens=3, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
+        out = llm.generate([[3, 5, 2, 7]] * n, params)
+        if K:
+            assert sum(c.metrics["spec"]["drafted"] for c in out) > 0
+        f = torch.bincount(torch.tensor([c.token_ids[2] for c in out]), minlength=8).float() / n
+        freqs.append(f)
+    tv = 0.5 * (freqs[0] - freqs[1]).abs().sum().item()
+    assert tv < 0.08, (tv, freqs)
+
+
+def test_seed_reproducible_and_stop_strings(ckpt):
+    d = ckpt[0]
+    llm = LLM(d, num_speculative_tokens=1, max_num_seqs=4, max_model_len=512)
+    sp = SamplingParams(max_tokens=12, temperature=0.9, seed=42, ignore_eos=True)
+    (a,) = llm.generate(["ROMEO:"], sp)
+    b = llm.generate(["ROMEO:", "JULIET:", "Hamlet"], [sp, SamplingParams(max_tokens=5, temperature=1.0, seed=1),
+                                                      SamplingParams(max_tokens=7, temperature=1.0)])[0]
+    assert a.token_ids == b.token_ids and a.text == b.text
+    (g,) = llm.generate(["ROMEO:"], SamplingParams(max_tokens=12, ignore_eos=True))
+    text = g.text
+    tok = llm.engine.tokenizer
+    pieces = [tok.decode(g.token_ids[:i]) for i in range(len(g.token_ids) + 1)]
+    cut = next(i for i in range(2, len(pieces)) if len(pieces[i]) > len(pieces[1]) + 2)
+    boundary = len(pieces[cut - 1])  # a stop string spanning the boundary before token `cut`
+    stop = text[boundary - 2:boundary + 2]
+    assert len(stop) == 4
+    (s,) = llm.generate(["ROMEO:"], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))
+    assert s.finish_reason == "stop"
+    assert s.text == text[:text.index(stop)]
+
+
+def test_bad_request_fails_alone(ckpt):
+    llm = LLM(ckpt[0], num_speculative_tokens=1, max_num_seqs=2, max_model_len=64)
+    eng = llm.engine
+    good = eng.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    for bad in ([], [5] * 64, [99999]):
+        with pytest.raises(RequestError):
+            eng.add_request(bad, SamplingParams(max_tokens=4))
+    with pytest.raises(RequestError):
+        eng.add_request([5], SamplingParams(max_tokens=0))
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == [good] and done[0].finish_reason == "length"
