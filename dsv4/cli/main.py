@@ -1,0 +1,216 @@
+"""The `dsv4` command: serve, run, status, stop, bench.
+
+`main()` is the console entry point. It maps every failure to one stderr line and an
+exit status (0 ok, 1 error, 2 usage, 69 daemon unreachable, 75 timeout, 130
+interrupted); a traceback is printed only when DSV4_DEBUG=1. stdout carries only what a
+command produces (generated text, status, JSON); logs and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Annotated, Any
+
+import typer
+
+try:  # typer >= 0.20 carries its own copy of click
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
+from dsv4 import __version__
+from dsv4.cli import options as O
+from dsv4.cli.bench import bench
+from dsv4.cli.run import run
+from dsv4.cli.options import CliError
+
+app = typer.Typer(
+    name="dsv4", add_completion=False, no_args_is_help=True, rich_markup_mode=None,
+    pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]},
+    help="Serve DeepSeek V4 from one machine: a long-lived daemon holds the model, the CLI talks to it.",
+)
+app.command("run", help="Generate text for a prompt (argument, '-' or piped stdin); stream it to stdout.")(run)
+app.command("bench", help="Benchmark the daemon (or --local): TTFT, TPOT, throughput, MTP acceptance, "
+                          "MTP on versus off.")(bench)
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"dsv4 {__version__}")
+        raise typer.Exit(O.EXIT_OK)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print the version and exit.")] = False) -> None:
+    """Serve DeepSeek V4 from one machine."""
+
+
+@app.command()
+def serve(
+    model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
+    max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
+    long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
+    num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
+    socket: O.Socket = None,
+    detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
+                                         "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
+                      ] = False,
+) -> None:
+    """Load the model and serve it until SIGTERM, SIGINT or 'dsv4 stop'."""
+    from dsv4.daemon import paths
+
+    kw = O.engine_kwargs(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                         max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                         long_prefill_token_threshold=long_prefill_token_threshold,
+                         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
+                         seed=seed, profile_dir=profile)
+    config = O.build_config(kw)  # validation only: no weights are read
+    endpoint = _endpoint(socket)
+    paths.ensure_private_dir(paths.state_dir(endpoint))
+    if detach:
+        from dsv4.daemon.process import report_running, spawn_detached
+
+        if paths.daemon_pid(endpoint) is not None:
+            O.err(report_running(endpoint))
+            raise typer.Exit(O.EXIT_OK)
+        try:
+            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint], endpoint)
+        except TimeoutError as e:
+            raise CliError(str(e), O.EXIT_TIMEOUT) from None
+        except RuntimeError as e:
+            raise CliError(str(e)) from None
+        print(f"dsv4 daemon started: pid {pid}, endpoint {endpoint}, log {logf}")
+        raise typer.Exit(O.EXIT_OK)
+    from dsv4.daemon.process import run_daemon
+
+    raise typer.Exit(run_daemon(config, endpoint))
+
+
+@app.command()
+def status(
+    socket: O.Socket = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
+) -> None:
+    """Show the daemon's model, device, uptime, requests, totals and MTP acceptance."""
+    from dsv4.daemon.client import Client
+
+    with Client(_endpoint(socket)) as c:
+        c.connect()
+        st = c.status()
+    if as_json:
+        print(json.dumps(st, indent=2, sort_keys=True))
+        return
+    for key, value in _flatten(st):
+        print(f"{key:<28} {_fmt(key, value)}")
+
+
+@app.command()
+def stop(
+    socket: O.Socket = None,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
+                                           help="How long to wait for the daemon to exit (exit 75 after).")] = 30.0,
+) -> None:
+    """Stop the daemon: in-flight requests are cancelled, their clients told; returns once it has exited."""
+    from dsv4.daemon.client import Client, wait_for_release
+
+    endpoint = _endpoint(socket)
+    with Client(endpoint) as c:
+        pong = c.connect()
+        c.shutdown()
+    if not wait_for_release(endpoint, timeout):
+        raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) did not exit within {timeout:g} s", O.EXIT_TIMEOUT)
+    O.err(f"dsv4 daemon (pid {pong.get('pid')}) stopped")
+
+
+# ---------------------------------------------------------------------- helpers
+def _endpoint(socket: str | None) -> str:
+    from dsv4.daemon.paths import resolve_endpoint
+
+    return resolve_endpoint(socket)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    order = ["model", "device", "dtype", "uptime_s", "running", "waiting", "in_flight", "clients"]
+    keys = sorted(d, key=lambda k: (order.index(k) if k in order else len(order), k))
+    out: list[tuple[str, Any]] = []
+    for k in keys:
+        v = d[k]
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if key.endswith("uptime_s"):
+            return time.strftime("%H:%M:%S", time.gmtime(value)) if value < 86400 else f"{value / 86400:.1f} days"
+        return f"{value:.4g}"
+    if isinstance(value, list):
+        return ", ".join(_fmt(key, v) for v in value) or "-"
+    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in key:
+        from dsv4.daemon.process import human_bytes
+
+        return human_bytes(value)
+    return "-" if value is None else str(value)
+
+
+def _exit_status(e: BaseException) -> tuple[int, str | None]:
+    """Exit status and the one line to print for an exception."""
+    from dsv4.daemon.client import DaemonError, DaemonTimeout, DaemonUnreachable
+    from dsv4.daemon.paths import PathError
+    from dsv4.daemon.protocol import ERR_INVALID_PARAMS
+
+    if isinstance(e, CliError):
+        return e.code, str(e)
+    if isinstance(e, DaemonUnreachable):
+        return O.EXIT_UNAVAILABLE, str(e)
+    if isinstance(e, (DaemonTimeout, TimeoutError)):
+        return O.EXIT_TIMEOUT, str(e)
+    if isinstance(e, DaemonError):
+        return (O.EXIT_USAGE if e.code == ERR_INVALID_PARAMS else O.EXIT_ERROR), f"daemon: {e.message}"
+    if isinstance(e, PathError):
+        return O.EXIT_USAGE, str(e)
+    if isinstance(e, (KeyboardInterrupt, typer.Abort)):
+        return O.EXIT_INTERRUPTED, None
+    if isinstance(e, ClickException):
+        return e.exit_code, e.format_message()
+    if isinstance(e, OSError) and e.strerror:
+        return O.EXIT_ERROR, f"{e.strerror}: {e.filename}" if e.filename else e.strerror
+    return O.EXIT_ERROR, f"internal error: {type(e).__name__}: {e}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status."""
+    debug = os.environ.get("DSV4_DEBUG", "") not in ("", "0")
+    try:
+        rc = app(args=argv, prog_name="dsv4", standalone_mode=False)
+        return rc if isinstance(rc, int) else O.EXIT_OK
+    except NoArgsIsHelpError as e:
+        print(e.ctx.get_help() if e.ctx else "", file=sys.stderr)
+        return O.EXIT_USAGE
+    except UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "dsv4"
+        O.err(f"{cmd}: {e.format_message()} (see '{cmd} --help')")
+        return O.EXIT_USAGE
+    except typer.Exit as e:
+        return e.exit_code
+    except BaseException as e:  # noqa: BLE001  (SystemExit passes through below)
+        if isinstance(e, SystemExit):
+            raise
+        code, line = _exit_status(e)
+        if debug:
+            traceback.print_exc()
+        if line:
+            O.err(line if line.startswith("dsv4") else f"dsv4: {line}")
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,298 @@
+"""`dsv4 run`: one prompt in, generated text out, streamed as it comes.
+
+The prompt comes from the argument, from `-` (stdin), or from piped stdin; with both
+piped stdin and an argument, the prompt is stdin, a newline, then the argument. stdout
+gets only the generated text (or, with `--json`, one JSON object at the end); stats go
+to stderr with `--verbose`. `--show-drafts` colours tokens that were accepted MTP drafts
+when stdout is a terminal. Ctrl-C cancels the request in the daemon (exit 130).
+`--local` runs an engine in this process instead of talking to a daemon.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from typing import Annotated, Any, Iterator, Optional
+
+import typer
+
+from dsv4.cli import options as O
+from dsv4.cli.options import CliError
+
+DRAFT_COLOUR, RESET = "\x1b[32m", "\x1b[0m"
+
+
+def run(
+    prompt: Annotated[Optional[str], typer.Argument(
+        metavar="[PROMPT|-]", help="The prompt; '-' reads it from stdin. Piped stdin comes before PROMPT.",
+        show_default=False)] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, help="Most tokens to generate.")]
+    = 256,
+    temperature: Annotated[float, typer.Option("--temperature", metavar="T", min=0.0,
+                                               help="Sampling temperature; 0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", metavar="P", min=0.0, max=1.0,
+                                         help="Nucleus sampling: keep the top tokens with this much mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", metavar="K", min=0, help="Keep the K most likely tokens; 0 = all.")]
+    = 0,
+    min_p: Annotated[float, typer.Option("--min-p", metavar="P", min=0.0, max=1.0,
+                                         help="Keep tokens with probability >= P times the top one; 0 = off.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0,
+                                                help="Seed for sampling (reproducible output).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT",
+                                                      help="Stop when TEXT is generated (repeatable).")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
+    no_mtp: Annotated[bool, typer.Option("--no-mtp", help="No speculative (MTP) drafts for this request.")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as is, without the chat template.")] = False,
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="System prompt (chat mode).")]
+    = None,
+    think: Annotated[bool, typer.Option("--think", help="Thinking mode: the answer starts with <think>.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")]
+    = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings and MTP statistics to stderr.")]
+    = False,
+    show_drafts: Annotated[bool, typer.Option("--show-drafts", help="On a terminal, colour accepted MTP draft "
+                                              "tokens (green) apart from target-model tokens.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
+                                           help="Give up after this long (exit 75); 0 = no limit.")] = 0.0,
+    socket: O.Socket = None,
+    local: Annotated[bool, typer.Option("--local", help="Run an engine in this process (takes the engine options "
+                                        "of 'dsv4 serve') instead of using the daemon.")] = False,
+    model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
+    max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
+    long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
+    num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None,
+) -> None:
+    engine = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                  max_num_batched_tokens=max_num_batched_tokens,
+                  long_prefill_token_threshold=long_prefill_token_threshold,
+                  enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
+                  profile_dir=profile)
+    if not local:
+        given = [O.ENGINE_FLAGS[k] for k, v in engine.items() if v is not None]
+        if given:
+            raise CliError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --local "
+                           f"(the daemon has its own settings)", O.EXIT_USAGE)
+    if raw and (system is not None or think):
+        raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
+    text = read_prompt(prompt)
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+                              "min_p": min_p, "ignore_eos": ignore_eos, "speculative": not no_mtp}
+    if seed is not None:
+        params["seed"] = seed
+    if stop:
+        params["stop"] = list(stop)
+    request = dict(prompt=text, params=params, mode="raw" if raw else "auto", system=system, thinking=think)
+    out = Output(as_json=as_json, show_drafts=show_drafts)
+    deadline = time.monotonic() + timeout if timeout > 0 else None
+    signal.signal(signal.SIGTERM, _interrupt)
+    if local:
+        code = out.drive(_local_events(O.engine_kwargs(**engine), request, out.colour), on_interrupt=None)
+    else:
+        code = out.drive_daemon(request, socket, deadline)
+    if verbose:
+        out.print_stats()
+    raise typer.Exit(code)
+
+
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt from `arg`, '-', or piped stdin (stdin first, then the argument)."""
+    stdin = sys.stdin
+    piped = stdin is not None and not _isatty(stdin)
+    if arg == "-":
+        if stdin is None:
+            raise CliError("'-' reads the prompt from stdin, but there is no stdin", O.EXIT_USAGE)
+        return stdin.read()
+    data = stdin.read() if piped else ""
+    if arg is None:
+        if not data:
+            raise CliError("no prompt: give it as an argument, as '-' to read stdin, or pipe it in", O.EXIT_USAGE)
+        return data
+    if data:
+        return data + ("" if data.endswith("\n") else "\n") + arg
+    return arg
+
+
+def _isatty(f: Any) -> bool:
+    try:
+        return bool(f.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class Output:
+    """Renders events (delta ..., final) to stdout and collects what `--json` and `--verbose` print."""
+
+    def __init__(self, *, as_json: bool, show_drafts: bool) -> None:
+        self.as_json = as_json
+        self.colour = show_drafts and not as_json and _isatty(sys.stdout)
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.sources: list[str] = []
+        self.final: dict[str, Any] = {}
+        self.t0 = time.monotonic()
+        self.t_first: float | None = None
+        self.t_end: float | None = None
+        self._char_src: list[str] = []  # per character of the per-token pieces: draft/target
+        self._printed = 0
+
+    # ------------------------------------------------------------------ driving
+    def drive_daemon(self, request: dict[str, Any], socket: str | None, deadline: float | None) -> int:
+        """Send the request to the daemon and stream its events; returns the exit status."""
+        from dsv4.daemon.client import Client, DaemonTimeout
+        from dsv4.daemon.paths import resolve_endpoint
+
+        with Client(resolve_endpoint(socket)) as client:
+            client.connect()
+            self.t0 = time.monotonic()
+            rid = client.generate(request["prompt"], request["params"], mode=request["mode"],
+                                  system=request["system"], thinking=request["thinking"], pieces=self.colour)
+            try:
+                return self.drive(client.stream(rid, deadline), on_interrupt=lambda: client.cancel(rid))
+            except DaemonTimeout:
+                client.cancel(rid)
+                raise DaemonTimeout("timed out waiting for the generation (see --timeout)") from None
+
+    def drive(self, events: Iterator[dict[str, Any]], on_interrupt: Any) -> int:
+        """Render `events` until the final one; returns the exit status."""
+        try:
+            for msg in events:
+                if msg["type"] == "delta":
+                    self.on_delta(msg)
+                elif msg["type"] == "final":
+                    self.final = msg
+        except KeyboardInterrupt:
+            if on_interrupt is not None:
+                on_interrupt()
+            self._end_line()
+            return O.EXIT_INTERRUPTED
+        except BrokenPipeError:  # `dsv4 run ... | head`: the reader is done
+            if on_interrupt is not None:
+                on_interrupt()
+            _silence_stdout()
+            return O.EXIT_OK
+        self.t_end = time.monotonic()
+        if self.as_json:
+            print(json.dumps(self.result(), ensure_ascii=False))
+        else:
+            self._end_line()
+        if self.final.get("finish_reason") in ("error", "abort") and self.final.get("error"):
+            O.err(f"dsv4: {self.final['error']}")
+            return O.EXIT_ERROR
+        return O.EXIT_OK
+
+    # ------------------------------------------------------------------ rendering
+    def on_delta(self, msg: dict[str, Any]) -> None:
+        ids, sources, text = list(msg.get("token_ids") or []), list(msg.get("sources") or []), msg.get("text") or ""
+        if ids and self.t_first is None:
+            self.t_first = time.monotonic()
+        self.token_ids += ids
+        self.sources += sources
+        self.text.append(text)
+        if self.as_json or not text:
+            return
+        if self.colour:
+            text = self._coloured(text, msg.get("pieces") or [], sources)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    def _coloured(self, text: str, pieces: list[str], sources: list[str]) -> str:
+        """Colour each character by the source of the token whose piece produced it."""
+        for piece, src in zip(pieces, sources):
+            self._char_src.extend([src] * len(piece))
+        out, current = [], "target"
+        for i, ch in enumerate(text):
+            pos = self._printed + i
+            src = self._char_src[pos] if pos < len(self._char_src) else "target"
+            if src != current:
+                out.append(DRAFT_COLOUR if src == "draft" else RESET)
+                current = src
+            out.append(ch)
+        self._printed += len(text)
+        if current != "target":
+            out.append(RESET)
+        return "".join(out)
+
+    def _end_line(self) -> None:
+        if not self.as_json and _isatty(sys.stdout) and self.text and not "".join(self.text).endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+
+    # ------------------------------------------------------------------ results
+    def timings(self) -> dict[str, float | None]:
+        """Client-side TTFT/TPOT/E2E (docs/serving.md section 4)."""
+        end = self.t_end if self.t_end is not None else time.monotonic()
+        ttft = None if self.t_first is None else self.t_first - self.t0
+        e2e = end - self.t0
+        n = len(self.token_ids)
+        tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
+        return {"ttft_s": ttft, "tpot_s": tpot, "e2e_s": e2e}
+
+    def result(self) -> dict[str, Any]:
+        f = self.final
+        spec = dict(f.get("spec") or {})
+        for key in ("drafted", "accepted", "acceptance_rate", "mean_acceptance_length"):
+            spec.setdefault(key, 0 if key in ("drafted", "accepted") else None)
+        usage = f.get("usage") or {"prompt_tokens": None, "completion_tokens": len(self.token_ids)}
+        return {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": f.get("finish_reason"),
+                "error": f.get("error"), "usage": usage, "timings": self.timings(),
+                "server_timings": f.get("timings"), "spec": spec}
+
+    def print_stats(self) -> None:
+        r = self.result()
+        t, s, u = r["timings"], r["spec"], r["usage"]
+        ms = lambda v: "-" if v is None else f"{v * 1000:.1f} ms"  # noqa: E731
+        rate = f"{1 / t['tpot_s']:.1f} tok/s" if t["tpot_s"] else "-"
+        acc = "-" if s.get("acceptance_rate") is None else f"{s['acceptance_rate']:.1%}"
+        mal = "-" if s.get("mean_acceptance_length") is None else f"{s['mean_acceptance_length']:.2f}"
+        O.err(f"prompt {u.get('prompt_tokens')} tokens, generated {u.get('completion_tokens')} tokens, "
+              f"finish {r['finish_reason']}; TTFT {ms(t['ttft_s'])}, TPOT {ms(t['tpot_s'])} ({rate}), "
+              f"E2E {ms(t['e2e_s'])}; MTP drafted {s.get('drafted')}, accepted {s.get('accepted')} ({acc}), "
+              f"mean acceptance length {mal}")
+
+
+def _silence_stdout() -> None:
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> Iterator[dict[str, Any]]:
+    """The same events as the daemon sends, from an engine in this process."""
+    from dsv4.daemon import protocol as P
+    from dsv4.daemon.process import load_engine, profiling
+    from dsv4.engine.request import RequestError
+    from dsv4.engine.sampling import SamplingParams
+
+    config = O.build_config(kw)
+    try:
+        params = SamplingParams.from_dict(request["params"])
+    except RequestError as e:
+        raise CliError(str(e), O.EXIT_USAGE) from None
+    engine = load_engine(config)
+    try:
+        rid = engine.add_request(request["prompt"], params, prompt_mode=request["mode"], system=request["system"],
+                                 thinking=request["thinking"])
+    except ValueError as e:  # RequestError
+        raise CliError(str(e)) from None
+    detok = engine.tokenizer.detokenizer() if pieces and engine.tokenizer is not None else None
+    with profiling(config):
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id != rid:
+                    continue
+                if out.text or out.token_ids:
+                    ps = [detok.push(t) for t in out.token_ids] if detok is not None else None
+                    yield P.delta(rid, out.text, out.token_ids, out.sources, ps)
+                if out.finished:
+                    yield P.final(rid, out.finish_reason, out.error, out.metrics)
+                    return

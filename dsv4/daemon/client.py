@@ -1,0 +1,212 @@
+"""A client of the daemon: one DEALER socket, any number of requests in flight.
+
+ZeroMQ `connect` succeeds with nobody listening, so `Client.connect()` first checks the
+pid file's lock (an ipc socket with no live daemon behind it fails at once) and then
+pings with a timeout; both failures raise `DaemonUnreachable` with the hint to start
+the daemon. While waiting for replies the client pings every HEARTBEAT_INTERVAL_S so the
+daemon knows it is alive, and checks that the daemon still is.
+
+    with Client(endpoint) as c:
+        c.connect()
+        rid = c.generate("Hello", {"max_tokens": 16})
+        for msg in c.stream(rid):      # delta ... final (or error)
+            ...
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Iterator
+
+import zmq
+
+from dsv4.daemon import protocol as P
+from dsv4.daemon.paths import daemon_pid, ipc_path
+
+PING_TIMEOUT_S = 3.0
+SILENCE_TIMEOUT_S = 60.0  # tcp only: no word from the daemon for this long means it is gone
+NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve'"
+
+
+class DaemonUnreachable(Exception):
+    """No daemon answers on the endpoint (exit status 69)."""
+
+
+class DaemonTimeout(Exception):
+    """The daemon did not answer in time (exit status 75)."""
+
+
+class DaemonError(Exception):
+    """The daemon answered with an `error` message."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class Client:
+    """A DEALER connection to the daemon at `endpoint`."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 200)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._last_sent = 0.0
+        self._last_heard = time.monotonic()
+        self._pending: list[dict[str, Any]] = []
+        self.daemon: dict[str, Any] = {}  # the pong: pid, version, model, endpoint
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self, linger_ms: int | None = None) -> None:
+        if linger_ms is not None:
+            self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.close()
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ basics
+    def send(self, msg: dict[str, Any]) -> None:
+        self._sock.send(P.encode(msg))
+        self._last_sent = time.monotonic()
+
+    def recv(self, timeout_s: float | None) -> dict[str, Any] | None:
+        """The next message from the daemon, or None after `timeout_s` (None = wait forever)."""
+        if self._pending:
+            return self._pending.pop(0)
+        ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
+        if not self._sock.poll(ms, zmq.POLLIN):
+            return None
+        msg = P.decode_reply(self._sock.recv())
+        self._last_heard = time.monotonic()
+        return msg
+
+    def call(self, req: P.Request, timeout_s: float = PING_TIMEOUT_S) -> dict[str, Any]:
+        """Send one request and wait for the reply with its id; keeps other messages for later."""
+        self.send(req.to_wire())
+        deadline = time.monotonic() + timeout_s
+        held = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                msg = self.recv(left) if left > 0 else None
+                if msg is None:
+                    raise DaemonTimeout(f"the dsv4 daemon at {self.endpoint} did not answer '{req.TYPE}' "
+                                        f"within {timeout_s:g} s")
+                if msg.get("id") == req.id or (msg["type"] == "error" and msg.get("id") is None):
+                    if msg["type"] == "error":
+                        raise DaemonError(str(msg.get("code")), str(msg.get("message")))
+                    return msg
+                held.append(msg)
+        finally:
+            self._pending.extend(held)
+
+    # ------------------------------------------------------------------ commands
+    def connect(self, timeout_s: float = PING_TIMEOUT_S) -> dict[str, Any]:
+        """Make sure a daemon answers; returns its pong. Raises `DaemonUnreachable`."""
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            pid = daemon_pid(self.endpoint)
+            if pid is None:
+                raise DaemonUnreachable(f"{NOT_RUNNING} (found a stale socket {path})" if path.exists()
+                                        else NOT_RUNNING)
+            if not path.exists():
+                raise DaemonUnreachable(f"the dsv4 daemon (pid {pid}) is still starting (loading the model); "
+                                        f"try again shortly")
+        try:
+            self.daemon = self.call(P.Ping(new_id()), timeout_s)
+        except DaemonTimeout:
+            pid = daemon_pid(self.endpoint)
+            if pid is not None and pid > 0:
+                raise DaemonUnreachable(f"the dsv4 daemon (pid {pid}) does not answer on {self.endpoint} "
+                                        f"within {timeout_s:g} s; is it still loading the model?") from None
+            raise DaemonUnreachable(NOT_RUNNING if path is not None else
+                                    f"no dsv4 daemon answers on {self.endpoint}; start it with "
+                                    f"'dsv4 serve --socket {self.endpoint}'") from None
+        return self.daemon
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return dict(self.call(P.Status(new_id()), timeout_s).get("status") or {})
+
+    def shutdown(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        return self.call(P.Shutdown(new_id()), timeout_s)
+
+    def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
+                 system: str | None = None, thinking: bool = False, pieces: bool = False,
+                 request_id: str | None = None) -> str:
+        """Submit a generate request; returns its id. Replies come through `recv` / `stream`."""
+        rid = request_id or new_id()
+        self.send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
+                             params=params, pieces=pieces).to_wire())
+        return rid
+
+    def cancel(self, rid: str, wait_s: float = 1.0) -> None:
+        """Ask the daemon to cancel `rid`; waits briefly for its answer."""
+        try:
+            self.call(P.Cancel(new_id(), target=rid), wait_s)
+        except (DaemonTimeout, DaemonError):
+            pass
+
+    # ------------------------------------------------------------------ streaming
+    def heartbeat(self) -> None:
+        """Ping if nothing was sent for a heartbeat interval; raise if the daemon died."""
+        now = time.monotonic()
+        if now - self._last_sent >= P.HEARTBEAT_INTERVAL_S:
+            self.send(P.Ping(new_id()).to_wire())
+        if now - self._last_heard > 2 * P.HEARTBEAT_INTERVAL_S + 1:
+            if ipc_path(self.endpoint) is not None:
+                if daemon_pid(self.endpoint) is None:
+                    raise DaemonUnreachable("the dsv4 daemon went away")
+            elif now - self._last_heard > SILENCE_TIMEOUT_S:
+                raise DaemonUnreachable(f"no word from the dsv4 daemon for {SILENCE_TIMEOUT_S:g} s")
+
+    def events(self, deadline: float | None = None) -> Iterator[dict[str, Any]]:
+        """All replies other than pongs, heartbeating meanwhile; DaemonTimeout past `deadline` (monotonic)."""
+        while True:
+            wait = P.HEARTBEAT_INTERVAL_S / 2
+            if deadline is not None:
+                wait = min(wait, deadline - time.monotonic())
+                if wait <= 0:
+                    raise DaemonTimeout("timed out waiting for the dsv4 daemon")
+            msg = self.recv(wait)
+            self.heartbeat()
+            if msg is not None and msg["type"] != "pong":
+                yield msg
+
+    def stream(self, rid: str, deadline: float | None = None) -> Iterator[dict[str, Any]]:
+        """Deltas of `rid`, then its final message; an error reply raises `DaemonError`."""
+        for msg in self.events(deadline):
+            if msg.get("id") != rid and msg.get("id") is not None:
+                continue
+            if msg["type"] == "error":
+                raise DaemonError(str(msg.get("code")), str(msg.get("message")))
+            if msg["type"] in ("delta", "final"):
+                yield msg
+                if msg["type"] == "final":
+                    return
+
+
+def wait_for_release(endpoint: str, timeout_s: float) -> bool:
+    """Wait until no process holds the pid lock of `endpoint` (the daemon removed its files); False on timeout.
+
+    The lock, not the pid, is watched: a daemon that exited but was not yet reaped by
+    its parent still answers `kill(pid, 0)`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while daemon_pid(endpoint) is not None:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

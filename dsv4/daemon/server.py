@@ -1,0 +1,371 @@
+"""The daemon's serving loop: one ROUTER socket in front of one engine.
+
+    while not stopping:
+        poll the socket (and the signal pipe): 0 ms while the engine has work, else up to 1 s
+        handle every message waiting (ping, status, generate, cancel, shutdown)
+        if the engine has work: outputs = engine.step(); stream each to its client
+        cancel the requests of clients that went silent
+
+One thread owns the engine; it blocks on the socket only when idle. Each client is a
+DEALER identified by its ZeroMQ routing id; a request is known by (client, its id) and
+given an engine request id of its own, so clients cannot collide. With ROUTER_MANDATORY
+a send to a client that has gone (killed, Ctrl-C) fails at once, so its requests are
+aborted and their slots freed on the next token; clients silent for longer than the
+heartbeat timeout (e.g. still queued when they died) are reaped the same way.
+
+Nothing raised while handling one message reaches the loop: bad messages get an `error`
+reply, a failing engine step fails the requests in flight and the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+from dsv4 import __version__
+from dsv4.daemon import protocol as P
+from dsv4.daemon.paths import ipc_path
+
+IDLE_POLL_MS = 1000
+MAX_MESSAGES_PER_TURN = 256
+SEND_HWM = 100_000
+SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
+
+log = logging.getLogger("dsv4.daemon")
+
+
+@dataclass
+class _Live:
+    """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
+
+    client: bytes
+    rid: str
+    pieces: Any = None  # IncrementalDetokenizer when the client asked for per-token text
+
+
+@dataclass
+class _Client:
+    last_seen: float
+    requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
+
+
+class Server:
+    """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
+
+    def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
+                 heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
+                 make_params: Callable[[dict], Any] | None = None) -> None:
+        self.engine = engine
+        self.endpoint = endpoint
+        self.model_name = model_name
+        self.heartbeat_timeout = heartbeat_timeout
+        self._make_params = make_params or _sampling_params
+        self.started = time.time()
+        self.stop_reason: str | None = None
+        self._clients: dict[bytes, _Client] = {}
+        self._live: dict[str, _Live] = {}  # engine request id -> request
+        self._next_id = 0
+        self._last_reap = time.monotonic()
+        self._ctx: zmq.Context | None = None
+        self._sock: zmq.Socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._signals = False
+
+    # ------------------------------------------------------------------ lifecycle
+    def bind(self) -> None:
+        """Create and bind the ROUTER socket (socket file mode 0600 for ipc)."""
+        self._ctx = zmq.Context()
+        s = self._ctx.socket(zmq.ROUTER)
+        s.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        s.setsockopt(zmq.SNDHWM, SEND_HWM)
+        s.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_MESSAGE_BYTES)  # beyond this the peer is dropped
+        s.setsockopt(zmq.LINGER, 2000)
+        try:
+            s.bind(self.endpoint)
+        except zmq.ZMQError:
+            s.close(0)
+            self._ctx.term()
+            self._ctx = None
+            raise
+        self._sock = s
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            os.chmod(path, 0o600)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT stop the loop; the wakeup pipe makes a blocking poll return at once."""
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        self._signals = True
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda n, _f: self.request_stop(signal.Signals(n).name))
+
+    def request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        """Cancel what is in flight (telling clients), close the socket, remove the socket file."""
+        if self._sock is not None:
+            self._cancel_all(SHUTDOWN_MESSAGE)
+            self._sock.close()  # LINGER lets the final messages go out
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        path = ipc_path(self.endpoint)
+        if path is not None:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+        if self._signals:
+            signal.set_wakeup_fd(-1)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # ------------------------------------------------------------------ the loop
+    def serve_forever(self) -> str:
+        """Run until stopped; returns the reason."""
+        assert self._sock is not None, "bind() first"
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while self.stop_reason is None:
+            busy = self._has_work()
+            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if self._wake_r.fileno() in events or self._wake_r in events:
+                self._drain_wake()
+            if self._sock in events:
+                self._drain_socket()
+            self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
+            if self.stop_reason is None and self._has_work():
+                self._step()
+        log.info("stopping (%s); cancelling %d request(s) in flight", self.stop_reason, len(self._live))
+        self._cancel_all(SHUTDOWN_MESSAGE)
+        return self.stop_reason
+
+    def _cancel_all(self, error: str, reason: str = "abort") -> None:
+        for erid in list(self._live):
+            self._abort(erid, notify=True, error=error, reason=reason)
+
+    def _has_work(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished())
+        except Exception:  # noqa: BLE001
+            log.exception("engine.has_unfinished failed")
+            return False
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except (BlockingIOError, InterruptedError):
+            pass
+
+    def _drain_socket(self) -> None:
+        assert self._sock is not None
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames[0], frames[1:])
+            except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
+                log.exception("error while handling a message")
+                self._send(frames[0], P.error(None, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
+
+    # ------------------------------------------------------------------ messages
+    def _handle(self, client: bytes, body: list[bytes]) -> None:
+        now = time.monotonic()
+        state = self._clients.get(client)
+        if state is None:
+            state = self._clients[client] = _Client(last_seen=now)
+        state.last_seen = now
+        if len(body) != 1:
+            self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
+            return
+        try:
+            req = P.decode_request(body[0])
+        except P.ProtocolError as e:
+            log.warning("rejected a message: %s: %s", e.code, e.message)
+            self._send(client, P.error(e.request_id, e.code, e.message))
+            return
+        if isinstance(req, P.Ping):
+            self._send(client, P.pong(req.id, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION,
+                                      model=self.model_name, endpoint=self.endpoint,
+                                      state="stopping" if self.stop_reason else "ready"))
+        elif isinstance(req, P.Status):
+            self._send(client, P.status_reply(req.id, self.status()))
+        elif isinstance(req, P.Shutdown):
+            self._send(client, P.ok(req.id, pid=os.getpid()))
+            self.request_stop("stop requested by a client")
+        elif isinstance(req, P.Cancel):
+            erid = state.requests.get(req.target)
+            if erid is not None:
+                self._abort(erid, notify=True)
+            self._send(client, P.ok(req.id, cancelled=erid is not None))
+        elif isinstance(req, P.Generate):
+            self._generate(client, state, req)
+
+    def _generate(self, client: bytes, state: _Client, req: P.Generate) -> None:
+        if self.stop_reason is not None:
+            self._send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
+            return
+        if req.id in state.requests:
+            self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
+            return
+        try:
+            params = self._make_params(req.params)
+        except (ValueError, TypeError) as e:  # RequestError is a ValueError
+            self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
+            return
+        erid = f"r{self._next_id}"
+        self._next_id += 1
+        try:
+            self.engine.add_request(req.prompt, params, request_id=erid, prompt_mode=req.mode,
+                                    system=req.system, thinking=req.thinking)
+        except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
+            if not isinstance(e, ValueError):
+                log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
+            self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
+            return
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
+        self._live[erid] = _Live(client, req.id, pieces)
+        state.requests[req.id] = erid
+
+    # ------------------------------------------------------------------ engine
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # noqa: BLE001
+            log.exception("engine step failed; failing the requests in flight")
+            self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
+            return
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue  # cancelled meanwhile
+            ok = True
+            if out.text or out.token_ids:
+                pieces = [live.pieces.push(t) for t in out.token_ids] if live.pieces is not None else None
+                ok = self._send(live.client, P.delta(live.rid, out.text, out.token_ids, out.sources, pieces))
+            if ok and out.finished:
+                self._forget(out.request_id)
+                self._send(live.client, P.final(live.rid, out.finish_reason, out.error, out.metrics))
+                _log_finished(out)
+
+    def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
+        live = self._forget(erid)
+        try:
+            self.engine.abort(erid)
+        except Exception:  # noqa: BLE001
+            log.exception("engine.abort(%s) failed", erid)
+        if live is not None:
+            log.info("%s %s%s", erid, "cancelled" if reason == "abort" else "failed", f": {error}" if error else "")
+        if notify and live is not None:
+            self._send(live.client, P.final(live.rid, reason, error), reap=False)
+
+    def _forget(self, erid: str) -> _Live | None:
+        live = self._live.pop(erid, None)
+        if live is not None:
+            state = self._clients.get(live.client)
+            if state is not None:
+                state.requests.pop(live.rid, None)
+        return live
+
+    def _send(self, client: bytes, msg: dict[str, Any], reap: bool = True) -> bool:
+        """Send one message; on an unreachable client cancel its requests and return False."""
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart([client, P.encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError as e:
+            if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
+                log.warning("send failed: %s", e)
+            if reap:
+                self._drop_client(client, "unreachable" if e.errno == errno.EHOSTUNREACH else "not reading")
+            return False
+
+    def _drop_client(self, client: bytes, why: str) -> None:
+        state = self._clients.pop(client, None)
+        if state is None:
+            return
+        if state.requests:
+            log.info("client %s %s; cancelling %d request(s)", client.hex(), why, len(state.requests))
+        for rid, erid in list(state.requests.items()):
+            self._live.pop(erid, None)
+            try:
+                self.engine.abort(erid)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.abort(%s) failed", erid)
+            # in case it is alive after all (say, stopped for a while): tell it, best effort
+            self._send(client, P.final(rid, "abort", f"request cancelled: client {why}"), reap=False)
+
+    def _reap_silent_clients(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reap < 0.5:
+            return
+        self._last_reap = now
+        for client, state in list(self._clients.items()):
+            if now - state.last_seen > self.heartbeat_timeout:
+                self._drop_client(client, f"silent for {now - state.last_seen:.0f} s")
+
+    # ------------------------------------------------------------------ status
+    def status(self) -> dict[str, Any]:
+        """Engine status plus the daemon's own facts."""
+        try:
+            engine_status = dict(self.engine.status())
+        except Exception as e:  # noqa: BLE001
+            engine_status = {"engine_error": f"{type(e).__name__}: {e}"}
+        return {
+            **engine_status,
+            "pid": os.getpid(),
+            "version": __version__,
+            "protocol": P.PROTOCOL_VERSION,
+            "endpoint": self.endpoint,
+            "uptime_s": round(time.time() - self.started, 3),
+            "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
+            "in_flight": len(self._live),
+            "vocab_size": _vocab_size(self.engine),
+        }
+
+
+def _log_finished(out: Any) -> None:
+    m = out.metrics or {}
+    u, t, sp = m.get("usage") or {}, m.get("timings") or {}, m.get("spec") or {}
+    ms = lambda v: "-" if not isinstance(v, (int, float)) else f"{v * 1000:.0f} ms"  # noqa: E731
+    log.info("%s finished (%s): %s prompt + %s output tokens, ttft %s, tpot %s, drafts accepted %s/%s%s",
+             out.request_id, out.finish_reason, u.get("prompt_tokens"), u.get("completion_tokens"),
+             ms(t.get("ttft_s")), ms(t.get("tpot_s")), sp.get("accepted", 0), sp.get("drafted", 0),
+             f", error: {out.error}" if out.error else "")
+
+
+def _vocab_size(engine: Any) -> int | None:
+    try:
+        return int(engine.config.model_config.vocab_size)
+    except (AttributeError, TypeError, ValueError):
+        tok = getattr(engine, "tokenizer", None)
+        return tok.vocab_size if tok is not None else None
+
+
+def _sampling_params(d: dict) -> Any:
+    from dsv4.engine.sampling import SamplingParams
+
+    return SamplingParams.from_dict(d)

@@ -1,0 +1,173 @@
+"""`dsv4 run` / `status` against one shared daemon: real processes, real socket."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import msgpack
+import pytest
+import zmq
+
+from dsv4.daemon import protocol as P
+from tests.e2e.util import Daemon, dsv4, run_json, spawn, status, wait_until
+
+PROMPT = "To be, or not to be"
+N = 8
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model: Path) -> Iterator[Any]:
+    """The offline API on the same checkpoint (one torch thread, restored after)."""
+    import torch
+
+    from dsv4 import LLM
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield LLM(model=str(tiny_model))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def greedy(offline: Any, prompt: str, n: int = N, **kw: Any) -> Any:
+    from dsv4 import SamplingParams
+
+    return offline.generate([prompt], SamplingParams(max_tokens=n, **kw))[0]
+
+
+def test_run_streams_the_offline_greedy_text(daemon: Daemon, offline: Any) -> None:
+    want = greedy(offline, PROMPT)
+    r = dsv4("run", "--max-tokens", str(N), PROMPT, endpoint=daemon.endpoint)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == want.text  # nothing else on stdout, no newline added in a pipe
+    assert r.stderr == ""  # no banner or progress when stderr is not a terminal
+    out = run_json("--max-tokens", str(N), "--no-mtp", PROMPT, endpoint=daemon.endpoint)
+    assert out["token_ids"] == want.token_ids and out["text"] == want.text  # MTP off: same greedy tokens
+
+
+def test_run_local_matches_the_daemon(daemon: Daemon, tiny_model: Path) -> None:
+    args = ("run", "--max-tokens", str(N), "--ignore-eos", PROMPT)
+    local = dsv4(*args, "--local", "--model", str(tiny_model))
+    assert local.returncode == 0, local.stderr
+    assert local.stdout == dsv4(*args, endpoint=daemon.endpoint).stdout
+    r = dsv4(*args, "--model", str(tiny_model), endpoint=daemon.endpoint)
+    assert r.returncode == 2 and "only with --local" in r.stderr
+
+
+def test_json_has_every_field(daemon: Daemon) -> None:
+    out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=daemon.endpoint)
+    assert {"text", "token_ids", "finish_reason", "usage", "timings", "spec"} <= set(out)
+    assert out["finish_reason"] == "length" and len(out["token_ids"]) == N
+    assert out["usage"]["completion_tokens"] == N and out["usage"]["prompt_tokens"] > 0
+    assert out["timings"]["ttft_s"] > 0 and out["timings"]["tpot_s"] > 0
+    assert {"drafted", "accepted", "acceptance_rate", "mean_acceptance_length"} <= set(out["spec"])
+    assert out["spec"]["drafted"] > 0  # the tiny model has MTP weights: K = 1 by default
+    assert 0 <= out["spec"]["accepted"] <= out["spec"]["drafted"]
+
+
+def test_prompt_from_stdin_dash_and_both(daemon: Daemon) -> None:
+    ep = daemon.endpoint
+    base = dsv4("run", "--max-tokens", "6", "--raw", "Hamlet:", endpoint=ep)
+    piped = dsv4("run", "--max-tokens", "6", "--raw", input="Hamlet:", endpoint=ep)
+    dash = dsv4("run", "--max-tokens", "6", "--raw", "-", input="Hamlet:", endpoint=ep)
+    assert base.returncode == piped.returncode == dash.returncode == 0, (base.stderr, piped.stderr, dash.stderr)
+    assert base.stdout == piped.stdout == dash.stdout
+    combined = dsv4("run", "--json", "--max-tokens", "6", "--raw", "Speak.", input="Hamlet:", endpoint=ep)
+    explicit = dsv4("run", "--json", "--max-tokens", "6", "--raw", "Hamlet:\nSpeak.", endpoint=ep)
+    assert json.loads(combined.stdout)["usage"] == json.loads(explicit.stdout)["usage"]
+    assert json.loads(combined.stdout)["token_ids"] == json.loads(explicit.stdout)["token_ids"]
+
+
+def test_eight_concurrent_runs(daemon: Daemon) -> None:
+    procs = [spawn("run", "--json", "--max-tokens", str(N), "--ignore-eos", f"Scene {i}:", endpoint=daemon.endpoint)
+             for i in range(8)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=120)
+        assert p.returncode == 0, stderr
+        outs.append(json.loads(stdout))
+    assert all(o["finish_reason"] == "length" and len(o["token_ids"]) == N for o in outs)
+    # every request got its own answer: the same prompt alone gives the same greedy tokens
+    alone = run_json("--max-tokens", str(N), "--ignore-eos", "Scene 3:", endpoint=daemon.endpoint)
+    assert alone["token_ids"] == outs[3]["token_ids"]
+
+
+def test_status(daemon: Daemon) -> None:
+    st = status(daemon.endpoint)
+    for key in ("model", "device", "dtype", "uptime_s", "running", "waiting", "totals", "pid", "in_flight"):
+        assert key in st, key
+    assert st["running"] == 0 and st["waiting"] == 0 and st["pid"] == daemon.proc.pid
+    r = dsv4("status", endpoint=daemon.endpoint)
+    assert r.returncode == 0 and "uptime_s" in r.stdout
+
+
+def test_bad_frames_get_error_replies_then_run_works(daemon: Daemon) -> None:
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(daemon.endpoint)
+    v = P.PROTOCOL_VERSION
+    try:
+        cases = [
+            (b"\xde\xad\xbe\xef not msgpack", P.ERR_BAD_MESSAGE),
+            (msgpack.packb({"v": v + 1, "type": "generate", "id": "a", "prompt": "x"}), P.ERR_BAD_VERSION),
+            (msgpack.packb({"v": v, "type": "generate", "id": "b", "prompt": list(range(5, 4000))}),
+             P.ERR_BAD_REQUEST),  # longer than max_model_len
+            (msgpack.packb({"v": v, "type": "generate", "id": "c", "prompt": "x" * (P.MAX_MESSAGE_BYTES + 10)}),
+             P.ERR_TOO_LARGE),
+            (msgpack.packb({"v": v, "type": "generate", "id": "d", "prompt": "x", "params": {"top_p": "high"}}),
+             P.ERR_INVALID_PARAMS),
+        ]
+        for data, code in cases:
+            s.send(data)
+            assert s.poll(10_000), f"no reply for {code}"
+            reply = msgpack.unpackb(s.recv())
+            assert reply["type"] == "error" and reply["code"] == code, reply
+            assert reply["message"]
+    finally:
+        s.close()
+    r = dsv4("run", "--max-tokens", "4", PROMPT, endpoint=daemon.endpoint)
+    assert r.returncode == 0 and r.stdout, r.stderr
+
+
+def test_prompt_too_long_fails_that_request_only(daemon: Daemon) -> None:
+    r = dsv4("run", "--raw", "word " * 3000, endpoint=daemon.endpoint)
+    assert r.returncode == 1 and "max_model_len" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = dsv4("run", "--temperature", "-1", PROMPT, endpoint=daemon.endpoint)  # refused by the CLI
+    assert r.returncode == 2
+    r = dsv4("run", "--top-p", "0", PROMPT, endpoint=daemon.endpoint)  # refused by the daemon
+    assert r.returncode == 2 and "top_p" in r.stderr
+
+
+def _start_long_run(daemon: Daemon) -> Any:
+    p = spawn("run", "--max-tokens", "900", "--ignore-eos", "--raw", PROMPT, endpoint=daemon.endpoint)
+    assert p.stdout is not None
+    assert p.stdout.read(1), "no output from the long run"  # generating now
+    assert status(daemon.endpoint)["running"] == 1
+    return p
+
+
+def _idle(daemon: Daemon) -> bool:
+    st = status(daemon.endpoint)
+    return st["running"] == 0 and st["waiting"] == 0 and st["in_flight"] == 0
+
+
+def test_killed_client_frees_its_slot(daemon: Daemon) -> None:
+    p = _start_long_run(daemon)
+    p.kill()
+    p.wait()
+    assert wait_until(lambda: _idle(daemon), timeout=15), status(daemon.endpoint)
+
+
+def test_ctrl_c_cancels_and_exits_130(daemon: Daemon) -> None:
+    p = _start_long_run(daemon)
+    t = time.monotonic()
+    p.send_signal(signal.SIGINT)
+    assert p.wait(10) == 130
+    assert time.monotonic() - t < 5
+    assert wait_until(lambda: _idle(daemon), timeout=5), status(daemon.endpoint)

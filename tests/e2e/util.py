@@ -1,0 +1,113 @@
+"""Helpers for the end-to-end tests: real `dsv4` processes on short temporary ipc sockets.
+
+Socket paths live in /tmp/dsv4t-XXXXXX/ (well under the 107-byte Unix socket limit,
+whatever pytest's own tmp_path looks like). Every process gets OMP_NUM_THREADS=1: on a
+small, busy CPU several torch threads per process make the tiny model a hundred
+times slower.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BIN = Path(sys.executable).parent / "dsv4"
+CMD = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "dsv4.cli.main"]
+
+
+def short_dir() -> Path:
+    return Path(tempfile.mkdtemp(prefix="dsv4t-", dir="/tmp"))
+
+
+def env_for(endpoint: str | None = None, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("DSV4_DEBUG", "DSV4_SOCKET")}
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
+    if endpoint is not None:
+        env["DSV4_SOCKET"] = endpoint
+    env.update(extra)
+    return env
+
+
+def dsv4(*args: str, endpoint: str | None = None, input: str | None = None, timeout: float = 60,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `dsv4 ARGS` to completion (stdin from `input`, else /dev/null)."""
+    return subprocess.run([*CMD, *args], input=input, stdin=None if input is not None else subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=timeout, env=env or env_for(endpoint))
+
+
+def spawn(*args: str, endpoint: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([*CMD, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env or env_for(endpoint))
+
+
+def run_json(*args: str, endpoint: str) -> dict[str, Any]:
+    r = dsv4("run", "--json", *args, endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def status(endpoint: str) -> dict[str, Any]:
+    r = dsv4("status", "--json", endpoint=endpoint)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def wait_until(cond: Any, timeout: float = 10.0, every: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return bool(cond())
+
+
+class Daemon:
+    """`dsv4 serve` in the foreground as a subprocess, with its log captured to a file."""
+
+    def __init__(self, model: Path, *args: str, directory: Path | None = None) -> None:
+        self.dir = directory or short_dir()
+        self.socket = self.dir / "d.sock"
+        self.endpoint = f"ipc://{self.socket}"
+        self.pid_file = Path(f"{self.socket}.pid")
+        self.log = self.dir / "serve.log"
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([*CMD, "serve", "--model", str(model), "--socket", self.endpoint, *args],
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env_for())
+
+    def wait_ready(self, timeout: float = 90) -> "Daemon":
+        from dsv4.daemon.client import Client, DaemonUnreachable
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"dsv4 serve exited with {self.proc.returncode}:\n{self.log.read_text()}")
+            if self.socket.exists():
+                with Client(self.endpoint) as c:
+                    try:
+                        c.connect(timeout_s=1.0)
+                        return self
+                    except DaemonUnreachable:
+                        pass
+            time.sleep(0.1)
+        raise TimeoutError(f"dsv4 serve not ready after {timeout} s:\n{self.log.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
