@@ -74,13 +74,12 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrenc
     accepted = sum(m["spec"]["accepted"] for m in done)
     tpots = sorted(m["timings"]["tpot_s"] for m in done if m["timings"]["tpot_s"] is not None)
     ttfts = sorted(m["timings"]["ttft_s"] for m in done)
-    steps = [m["spec"]["accepted"] / (m["spec"]["mean_acceptance_length"] - 1)
-             for m in done if m["spec"]["mean_acceptance_length"] and m["spec"]["mean_acceptance_length"] > 1]
+    steps = sum(m["spec"]["verify_steps"] for m in done)
     return {"requests": len(done), "output_tok_s": toks / wall, "wall_s": wall,
             "tpot_ms": 1000 * sum(tpots) / len(tpots), "tpot_p50_ms": 1000 * tpots[len(tpots) // 2],
             "ttft_ms": 1000 * sum(ttfts) / len(ttfts),
             "acceptance_rate": accepted / drafted if drafted else None,
-            "mean_acceptance_length": (1 + accepted / sum(steps)) if steps and sum(steps) else (1.0 if drafted else None)}
+            "mean_acceptance_length": 1 + accepted / steps if steps else None}
 
 
 def hf_model(model_dir: Path, device: str):

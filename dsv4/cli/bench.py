@@ -42,11 +42,7 @@ class _Record:
         itl = [b[0] - a[0] for a, b in zip(self.chunks, self.chunks[1:])]
         spec = self.final.get("spec") or {}
         drafted, accepted = int(spec.get("drafted") or 0), int(spec.get("accepted") or 0)
-        mal = spec.get("mean_acceptance_length")
-        if drafted and mal and mal > 1:
-            steps = round(accepted / (mal - 1))
-        else:  # no draft accepted: every decode chunk was one verify step
-            steps = max(0, len(self.chunks) - 1) if drafted else 0
+        steps = int(spec.get("verify_steps") or 0)
         return {"tokens": n, "ttft": ttft, "tpot": tpot, "e2e": e2e, "itl": itl, "drafted": drafted,
                 "accepted": accepted, "steps": steps}
 

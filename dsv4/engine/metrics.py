@@ -118,6 +118,7 @@ class RequestMetrics:
             "spec": {
                 "drafted": self.drafted,
                 "accepted": self.accepted,
+                "verify_steps": self.verify_steps,
                 "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "per_position_acceptance": _per_position(self.accepted_per_position, self.drafted_per_position),

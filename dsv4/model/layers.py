@@ -78,6 +78,30 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
     return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
+def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project [T, hc, hc] logits towards a doubly stochastic matrix (row softmax, then
+    alternate column/row normalisations; the last one is a column normalisation).
+
+    Decode runs this on a few 4x4 matrices: on the CPU without autograd, numpy's small-op
+    overhead is half of torch's, and the arithmetic is the same IEEE float32, bit for bit.
+    """
+    c = torch.softmax(c, dim=-1)
+    if c.device.type == "cpu" and c.dtype == torch.float32 and not c.requires_grad:
+        a = c.numpy()
+        a += eps
+        a /= a.sum(-2, keepdims=True) + eps
+        for _ in range(iters - 1):
+            a /= a.sum(-1, keepdims=True) + eps
+            a /= a.sum(-2, keepdims=True) + eps
+        return c
+    c = c + eps
+    c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(dim=-1, keepdim=True) + eps)
+        c = c / (c.sum(dim=-2, keepdim=True) + eps)
+    return c
+
+
 class HyperConnection(nn.Module):
     """mHC parameters of one sub-layer (`hc_{attn,ffn}_{fn,base,scale}` live on the block).
 
@@ -96,12 +120,7 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + cfg.hc_eps
         post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
         comb = mixes[:, 2 * hc :].view(-1, hc, hc) * scale[2] + base[2 * hc :].view(hc, hc)
-        eps = cfg.hc_eps
-        comb = torch.softmax(comb, dim=-1) + eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
         y = (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)  # [T, D]
         return y, post, comb
 
