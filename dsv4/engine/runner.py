@@ -65,7 +65,7 @@ class Runner:
         self.generators[slot] = make_generator(req.params.seed, self.device)
 
     # ------------------------------------------------------------------ one step
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute(self, prefills: list[tuple[Request, int, int]],
                 decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
         """Run one step; returns results keyed by slot (prefill chunks that are not the

@@ -24,6 +24,26 @@ from .layers import RMSNorm, RopeTable, apply_rope, rms_unweighted
 from .state import Batch, LayerState
 
 
+def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, r/2] at the batch's positions, computed once per dispatch and table."""
+    if batch is None:
+        return rope.cos_sin(pos)
+    return batch.cached(("rope", id(rope)), lambda: rope.cos_sin(pos))
+
+
+def window_index(pos: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring slots of positions pos-W+1..pos [T, W] and their bias (-inf before position 0)."""
+    kpos = pos[:, None] - torch.arange(W - 1, -1, -1, device=pos.device)
+    bias = torch.zeros(kpos.shape, device=pos.device).masked_fill(kpos < 0, float("-inf"))
+    return kpos % ring, bias
+
+
+def entry_limit(pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, int]:
+    """Entries visible to each query [T] (w < (pos+1) // ratio), and their maximum."""
+    limit = (pos + 1) // ratio
+    return limit, int(limit.max())
+
+
 class Linear(nn.Module):
     """Bias-free linear whose parameter is named `weight`, as in the checkpoint."""
 
@@ -57,7 +77,7 @@ class Compressor(nn.Module):
         R = raw_kv.shape[1]
         raw_kv[slots, pos % R] = kv
         raw_score[slots, pos % R] = score
-        close = ((pos + 1) % m == 0).nonzero().squeeze(-1)
+        close = batch.cached(("close", m), lambda: ((pos + 1) % m == 0).nonzero().squeeze(-1))
         if close.numel() == 0:
             return
         cs, w = slots[close], pos[close] // m  # [C]
@@ -116,14 +136,14 @@ class Indexer(nn.Module):
         """Return a bias [T, n_ent]: 0 on the selected entries, -inf elsewhere."""
         self.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
         keys = ls.idx_entries[batch.slots, :n_ent]  # [T, E, di]
-        return self.select(x, qr, batch.positions, keys, visible, rope)
+        return self.select(x, qr, batch.positions, keys, visible, rope, batch)
 
     def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               visible: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+               visible: torch.Tensor, rope: RopeTable, batch: Batch | None = None) -> torch.Tensor:
         """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]."""
         T, n_ent = x.shape[0], visible.shape[-1]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        cos, sin = rope.cos_sin(pos)
+        cos, sin = rope_at(rope, pos, batch)
         q = apply_rope(q, cos, sin)
         eq = "thd,ted->the" if keys.dim() == 3 else "thd,ed->the"
         scores = torch.einsum(eq, q.float(), keys.float()).relu() * self.head_dim ** -0.5
@@ -165,7 +185,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, cfg.sliding_window
         pos, slots = batch.positions, batch.slots
-        cos, sin = rope.cos_sin(pos)
+        cos, sin = rope_at(rope, pos, batch)
 
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = rms_unweighted(self.wq_b(qr).view(T, H, hd), cfg.rms_norm_eps)
@@ -177,14 +197,12 @@ class Attention(nn.Module):
         # window: write this dispatch's rows, then gather pos-W+1..pos per query
         Rw = ls.win.shape[1]
         ls.win[slots, pos % Rw] = kv.to(ls.win.dtype)
-        kpos = pos[:, None] - torch.arange(W - 1, -1, -1, device=x.device)  # [T, W]
-        keys = ls.win[slots[:, None], kpos % Rw]  # [T, W, hd]
-        bias = torch.zeros(T, W, device=x.device).masked_fill(kpos < 0, float("-inf"))
+        ring_idx, bias = batch.cached(("window", Rw, W), lambda: window_index(pos, W, Rw))
+        keys = ls.win[slots[:, None], ring_idx]  # [T, W, hd]
 
         if self.kind != WINDOW:
             self.compressor(x, batch, ls.raw_kv, ls.raw_score, ls.entries, rope)
-            limit = (pos + 1) // self.ratio  # [T] entries visible to each query
-            n_ent = int(limit.max())
+            limit, n_ent = batch.cached(("limit", self.ratio), lambda: entry_limit(pos, self.ratio))
             if n_ent > 0:
                 visible = torch.arange(n_ent, device=x.device)[None, :] < limit[:, None]  # [T, E]
                 if self.kind == CSA:

@@ -51,8 +51,9 @@ class RopeTable(nn.Module):
 
     def _grow(self, n: int) -> None:
         n = max(n, 2 * self.cos.shape[0], 256)
-        freqs = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq
-        self.cos, self.sin = freqs.cos(), freqs.sin()
+        with torch.inference_mode(False):  # ordinary tensors, usable by training too
+            freqs = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq.clone()
+            self.cos, self.sin = freqs.cos(), freqs.sin()
 
     def cos_sin(self, pos: torch.Tensor, max_pos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         need = (int(pos.max()) if max_pos is None else max_pos) + 1 if pos.numel() else 0

@@ -146,7 +146,7 @@ class DeepseekV4(nn.Module):
         return z, self._logits(sel, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm)
 
     # ---------------------------------------------------------------- stateless
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Full causal forward from position 0: [B, S] -> logits [B, S, vocab]."""
         B, S = input_ids.shape

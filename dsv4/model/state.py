@@ -28,7 +28,7 @@ into token tensors [T].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,13 @@ class Batch:
     slots: torch.Tensor  # [T] long
     rows: list[tuple[int, int, int]]  # (slot, start, n) per row, in packing order
     dense: tuple[int, int] | None = None  # (B, S) for stateless whole sequences from position 0
+    memo: dict = field(default_factory=dict, repr=False)  # per-dispatch values shared by all layers
+
+    def cached(self, key, fn):
+        """`fn()` computed once per dispatch (RoPE tables, window indices, entry counts)."""
+        if key not in self.memo:
+            self.memo[key] = fn()
+        return self.memo[key]
 
     @classmethod
     def whole(cls, input_ids: torch.Tensor) -> "Batch":
