@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import CSA, WINDOW, ModelConfig
-from .layers import RMSNorm, RopeTable, apply_rope, rms_unweighted
+from .layers import RMSNorm, RopeTable, apply_rope, cast, f32, rms_unweighted
 from .state import Batch, LayerState
 
 
-def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, r/2] at the batch's positions, computed once per dispatch and table."""
+def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> torch.Tensor:
+    """Rotations [T, r/2] at the batch's positions, computed once per dispatch and table."""
     if batch is None:
-        return rope.cos_sin(pos)
-    return batch.cached(("rope", id(rope)), lambda: rope.cos_sin(pos))
+        return rope.rotation(pos)
+    return batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))
 
 
 def window_index(pos: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +72,8 @@ class Compressor(nn.Module):
         """Write this dispatch's rows, then (re)compute every entry a row closes."""
         m, d = self.ratio, self.dim
         pos, slots = batch.positions, batch.slots
-        kv = self.wkv(x).float()  # [T, coff*d]
-        score = self.wgate(x).float() + self.ape.float()[pos % m]
+        kv = f32(self.wkv(x))  # [T, coff*d]
+        score = f32(self.wgate(x)) + f32(self.ape)[pos % m]
         R = raw_kv.shape[1]
         raw_kv[slots, pos % R] = kv
         raw_score[slots, pos % R] = score
@@ -99,8 +99,7 @@ class Compressor(nn.Module):
             sel_sc = raw_score[cs[:, None], p % R]
         pooled = (sel_kv * sel_sc.softmax(dim=1)).sum(dim=1)  # [C, d]
         pooled = self.norm(pooled)
-        cos, sin = rope.cos_sin(first)
-        entries[cs, w] = apply_rope(pooled, cos, sin).to(entries.dtype)
+        entries[cs, w] = cast(apply_rope(pooled, rope.rotation(first)), entries.dtype)
 
 
     def pool_dense(self, x: torch.Tensor, B: int, S: int, rope: RopeTable) -> torch.Tensor:
@@ -117,8 +116,8 @@ class Compressor(nn.Module):
             kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, n, 2m, d]
             score = torch.cat([prev_sc, score[..., d:]], dim=2)
         pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, n, d]
-        cos, sin = rope.cos_sin(torch.arange(n, device=x.device) * m, max_pos=S)  # [n, r/2]
-        return apply_rope(pooled, cos.expand(B, -1, -1), sin.expand(B, -1, -1)).to(x.dtype)
+        cis = rope.rotation(torch.arange(n, device=x.device) * m, max_pos=S)  # [n, r/2]
+        return cast(apply_rope(pooled, cis.expand(B, -1, -1)), x.dtype)
 
 
 class Indexer(nn.Module):
@@ -143,11 +142,14 @@ class Indexer(nn.Module):
         """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]."""
         T, n_ent = x.shape[0], visible.shape[-1]
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        cos, sin = rope_at(rope, pos, batch)
-        q = apply_rope(q, cos, sin)
-        eq = "thd,ted->the" if keys.dim() == 3 else "thd,ed->the"
-        scores = torch.einsum(eq, q.float(), keys.float()).relu() * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5  # [T, H]
+        cis = rope_at(rope, pos, batch)
+        q = apply_rope(q, cis)
+        if keys.dim() == 3:  # [T, H, di] x [T, E, di] -> [T, H, E]
+            scores = torch.bmm(f32(q), f32(keys).transpose(1, 2))
+        else:
+            scores = torch.einsum("thd,ed->the", f32(q), f32(keys))
+        scores = scores.relu() * self.head_dim ** -0.5
+        w = f32(self.weights_proj(x)) * self.n_heads ** -0.5  # [T, H]
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, n_ent)
@@ -185,14 +187,14 @@ class Attention(nn.Module):
         cfg = self.cfg
         T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, cfg.sliding_window
         pos, slots = batch.positions, batch.slots
-        cos, sin = rope_at(rope, pos, batch)
+        cis = rope_at(rope, pos, batch)
 
         qr = self.q_norm(self.wq_a(x))  # [T, q_lora]
         q = rms_unweighted(self.wq_b(qr).view(T, H, hd), cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)  # [T, H, hd]
-        kv = apply_rope(self.kv_norm(self.wkv(x)), cos, sin)  # [T, hd]
+        q = apply_rope(q, cis)  # [T, H, hd]
+        kv = apply_rope(self.kv_norm(self.wkv(x)), cis)  # [T, hd]
         if ls is None:
-            return self._out(self._dense(x, qr, q, kv, batch, rope), cos, sin)
+            return self._out(self._dense(x, qr, q, kv, batch, rope), cis)
 
         # window: write this dispatch's rows, then gather pos-W+1..pos per query
         Rw = ls.win.shape[1]
@@ -214,16 +216,16 @@ class Attention(nn.Module):
             elif self.kind == CSA:  # keep the indexer's own compressor state in step
                 self.indexer.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
 
-        scores = torch.einsum("thd,tkd->thk", q, keys.to(q.dtype)).float() * hd ** -0.5
+        scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * hd ** -0.5  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
-        o = torch.einsum("thk,tkd->thd", probs.to(keys.dtype), keys).to(x.dtype)  # [T, H, hd]
-        return self._out(o, cos, sin)
+        o = cast(torch.bmm(cast(probs, keys.dtype), keys), x.dtype)  # [T, H, hd]
+        return self._out(o, cis)
 
     def _softmax_with_sink(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [T, H, k] or [B, H, S, k] -> probabilities over k (the sink takes its share)."""
         shape = [1] * scores.dim()
         shape[1] = self.n_heads
-        sink = self.attn_sink.float().view(shape).expand(*scores.shape[:-1], 1)
+        sink = f32(self.attn_sink).view(shape).expand(*scores.shape[:-1], 1)
         return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
     def _dense(self, x, qr, q, kv, batch: Batch, rope: RopeTable) -> torch.Tensor:
@@ -254,12 +256,12 @@ class Attention(nn.Module):
         o = torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys)
         return o.reshape(T, H, hd).to(x.dtype)
 
-    def _out(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
         """Inverse RoPE and the grouped low-rank output projection: [T, H, hd] -> [T, D]."""
         cfg = self.cfg
         T = o.shape[0]
-        o = apply_rope(o, cos, sin, inverse=True)
+        o = apply_rope(o, cis, inverse=True)
         G = cfg.o_groups
         wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)  # [G, O, H*hd/G]
-        o = torch.einsum("tgi,goi->tgo", o.reshape(T, G, -1), wo_a)  # [T, G, O]
+        o = torch.bmm(o.reshape(T, G, -1).transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1)  # [T, G, O]
         return self.wo_b(o.flatten(1))

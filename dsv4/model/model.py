@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention, Linear
-from .layers import HyperConnection, RMSNorm, RopeTable, hc_head
+from .layers import HyperConnection, RMSNorm, RopeTable, f32, hc_head
 from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
@@ -107,7 +107,7 @@ class DeepseekV4(nn.Module):
     def _logits(self, h: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         """[N, hc, D] streams -> [N, vocab] float32 logits."""
         y = norm(hc_head(h, fn, base, scale, self.cfg))
-        return F.linear(y, self.head.weight).float()
+        return f32(F.linear(y, self.head.weight))
 
     # ---------------------------------------------------------------- stateful
     def forward_batch(self, batch: Batch, state: ModelState | None,

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .attention import Linear
+from .layers import cast, f32
 
 
 class Expert(nn.Module):
@@ -26,13 +27,13 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        g, u = self.w1(x).float(), self.w3(x).float()
+        g, u = f32(self.w1(x)), f32(self.w3(x))
         if self.limit > 0:
             g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         h = F.silu(g) * u
         if weight is not None:
             h = h * weight.unsqueeze(-1)
-        return self.w2(h.to(x.dtype))
+        return self.w2(cast(h, x.dtype))
 
 
 class Gate(nn.Module):
@@ -49,11 +50,11 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], ids [T] -> (weights [T, k] float32, expert indices [T, k])."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()  # [T, E]
+        scores = F.softplus(F.linear(f32(x), f32(self.weight))).sqrt()  # [T, E]
         if self.hash:
             idx = self.tid2eid[ids]
         else:
-            idx = torch.topk(scores + self.bias.float(), self.k, dim=-1).indices
+            idx = torch.topk(scores + f32(self.bias), self.k, dim=-1).indices
         w = scores.gather(1, idx)
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.scale, idx
@@ -82,8 +83,8 @@ class MoE(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 t = tok[start:start + c]
-                out.index_add_(0, t, self.experts[e](x[t], wsorted[start:start + c]).float())
+                out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
                 start += c
         if self.shared_experts is not None:
-            out += self.shared_experts(x).float()
-        return out.to(x.dtype)
+            out += f32(self.shared_experts(x))
+        return cast(out, x.dtype)
