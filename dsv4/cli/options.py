@@ -85,8 +85,9 @@ NumSpec = Annotated[Optional[int], typer.Option(
 EngineSeed = Annotated[Optional[int], typer.Option(
     "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, help="Engine random seed [default: 0]")]
 Profile = Annotated[Optional[Path], typer.Option(
-    "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL,
-    help="Write a torch profiler trace of the engine steps into DIR")]
+    "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL, envvar="DSV4_PROFILE_DIR", show_envvar=False,
+    help="Write torch profiler traces of engine steps (prefill chunks, verify, MTP) into DIR; off by default "
+         "[env: DSV4_PROFILE_DIR]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {

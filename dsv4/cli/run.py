@@ -269,7 +269,7 @@ def _silence_stdout() -> None:
 def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> Iterator[dict[str, Any]]:
     """The same events as the daemon sends, from an engine in this process."""
     from dsv4.daemon import protocol as P
-    from dsv4.daemon.process import load_engine, profiling
+    from dsv4.daemon.process import load_engine
     from dsv4.engine.request import RequestError
     from dsv4.engine.sampling import SamplingParams
 
@@ -285,7 +285,7 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> 
     except ValueError as e:  # RequestError
         raise CliError(str(e)) from None
     detok = engine.tokenizer.detokenizer() if pieces and engine.tokenizer is not None else None
-    with profiling(config):
+    try:
         while engine.has_unfinished():
             for out in engine.step():
                 if out.request_id != rid:
@@ -296,3 +296,5 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> 
                 if out.finished:
                     yield P.final(rid, out.finish_reason, out.error, out.metrics)
                     return
+    finally:
+        engine.close()

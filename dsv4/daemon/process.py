@@ -13,7 +13,6 @@ output appended to the log file, wait until it answers a ping (or dies), report.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
@@ -21,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from dsv4 import __version__
 from dsv4.daemon.paths import PidLock, daemon_pid, log_file, pid_file, read_pid, remove_stale
@@ -104,28 +103,6 @@ def load_engine(config: Any) -> Any:
         progress.close()
 
 
-@contextlib.contextmanager
-def profiling(config: Any) -> Iterator[None]:
-    """Record a torch profiler trace of everything inside when `config.profile_dir` is set (--profile)."""
-    if not getattr(config, "profile_dir", None):
-        yield
-        return
-    import torch
-
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if str(config.device).startswith("cuda"):
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=acts)
-    prof.start()
-    try:
-        yield
-    finally:
-        prof.stop()
-        out = Path(config.profile_dir) / f"dsv4-{os.getpid()}-{time.strftime('%Y%m%d-%H%M%S')}.trace.json"
-        prof.export_chrome_trace(str(out))
-        log.info("profiler trace written to %s", out)
-
-
 def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -162,8 +139,12 @@ def run_daemon(config: Any, endpoint: str, *, engine_factory: Callable[[Any], An
             return EXIT_ERROR
         server.install_signal_handlers()
         log.info("listening on %s (pid %d)", endpoint, os.getpid())
-        with profiling(config):
+        try:
             reason = server.serve_forever()
+        finally:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()  # flushes --profile traces
         return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_OK
     except KeyboardInterrupt as e:
         log.info("interrupted (%s) before serving", e.args[0] if e.args else "SIGINT")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.profiler import record_function
 
 from ..model.model import DeepseekV4
 from ..model.state import Batch
@@ -96,8 +97,16 @@ class Runner:
                 idx.append(o + n - 1)
                 last_chunk.add(req.slot)
         logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
-        hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
+        with record_function("dsv4.dispatch"):
+            hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
+        with record_function("dsv4.sample_verify"):
+            results = self._sample_verify(want, logits, last_chunk)
+        with record_function("dsv4.mtp"):
+            self._draft(want, hidden, results)
+        return results
 
+    def _sample_verify(self, want, logits: torch.Tensor, last_chunk: set[int]) -> dict[int, StepResult]:
+        """First tokens of finished prefills; accepted drafts + one target token per decode row."""
         results: dict[int, StepResult] = {}
         reqs_rows = []  # (request, logits row offset, n rows)
         lo = 0
@@ -124,7 +133,6 @@ class Runner:
             start = req.num_computed_tokens
             self.state.rollback(req.slot, start + 1 + acc)
             results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
-        self._draft(want, hidden, results)
         return results
 
     def _probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:

@@ -165,3 +165,13 @@ def test_bad_request_fails_alone(ckpt):
     while eng.has_unfinished():
         done += [o for o in eng.step() if o.finished]
     assert [o.request_id for o in done] == [good] and done[0].finish_reason == "length"
+
+
+def test_profile_dir_gets_labelled_step_traces(ckpt, tmp_path):
+    llm = LLM(ckpt[0], num_speculative_tokens=1, max_model_len=512, profile_dir=str(tmp_path))
+    llm.generate(["ROMEO:"], SamplingParams(max_tokens=24, ignore_eos=True))
+    llm.engine.close()
+    traces = list(tmp_path.glob("*.json"))
+    assert traces
+    text = traces[0].read_text()
+    assert all(f'"dsv4.{s}"' in text for s in ("dispatch", "sample_verify", "mtp"))
