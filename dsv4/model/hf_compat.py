@@ -70,22 +70,14 @@ def hf_to_official(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def official_to_hf(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Inverse of `hf_to_official` for the main model (MTP tensors are dropped)."""
-    probe = {}
-    for name in sd:
-        if name.startswith("mtp.") or re.search(r"\.experts\.\d+\.", name):
-            continue
-        probe[name] = name
-    fake = {hf: None for hf in _hf_names(cfg)}
-    back = {hf_to_official({hf: torch.empty(0)}).popitem()[0]: hf for hf in fake}
-    out: dict[str, torch.Tensor] = {}
-    for name in probe:
-        out[back[name]] = sd[name]
+    back = {next(iter(hf_to_official({hf: torch.empty(0)}))): hf for hf in _hf_names(cfg)}
+    out = {back[n]: t for n, t in sd.items() if n in back}
     for i in range(cfg.num_hidden_layers):
-        E = cfg.n_routed_experts
         p = f"layers.{i}.ffn.experts."
+        experts = range(cfg.n_routed_experts)
         out[f"model.layers.{i}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([sd[f"{p}{e}.w1.weight"], sd[f"{p}{e}.w3.weight"]], dim=0) for e in range(E)])
-        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([sd[f"{p}{e}.w2.weight"] for e in range(E)])
+            [torch.cat([sd[f"{p}{e}.w1.weight"], sd[f"{p}{e}.w3.weight"]], dim=0) for e in experts])
+        out[f"model.layers.{i}.mlp.experts.down_proj"] = torch.stack([sd[f"{p}{e}.w2.weight"] for e in experts])
     return out
 
 
