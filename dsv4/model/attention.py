@@ -38,6 +38,23 @@ def window_index(pos: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, to
     return kpos % ring, bias
 
 
+ROW_MIN = 8  # rows with at least this many tokens attend against keys shared by the row
+
+
+def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
+    """Long rows (slot, start, n, packed offset) and the packed indices of the other tokens
+    (None when there are none)."""
+    long_rows, short, off = [], [], 0
+    for slot, start, n in batch.rows:
+        if n >= ROW_MIN:
+            long_rows.append((slot, start, n, off))
+        else:
+            short.extend(range(off, off + n))
+        off += n
+    idx = torch.tensor(short, dtype=torch.long, device=batch.positions.device) if short else None
+    return long_rows, idx
+
+
 def entry_limit(pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, int]:
     """Entries visible to each query [T] (w < (pos+1) // ratio), and their maximum."""
     limit = (pos + 1) // ratio
@@ -130,20 +147,12 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
 
-    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: Batch, ls: LayerState, rope: RopeTable,
-                n_ent: int, visible: torch.Tensor) -> torch.Tensor:
-        """Return a bias [T, n_ent]: 0 on the selected entries, -inf elsewhere."""
-        self.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
-        keys = ls.idx_entries[batch.slots, :n_ent]  # [T, E, di]
-        return self.select(x, qr, batch.positions, keys, visible, rope, batch)
-
-    def select(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
-               visible: torch.Tensor, rope: RopeTable, batch: Batch | None = None) -> torch.Tensor:
-        """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]."""
+    def select(self, x: torch.Tensor, qr: torch.Tensor, cis: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]: 0 on the
+        top-k visible entries, -inf elsewhere. `cis`: the queries' rotations [T, r/2]."""
         T, n_ent = x.shape[0], visible.shape[-1]
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        cis = rope_at(rope, pos, batch)
-        q = apply_rope(q, cis)
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cis)
         if keys.dim() == 3:  # [T, H, di] x [T, E, di] -> [T, H, E]
             scores = torch.bmm(f32(q), f32(keys).transpose(1, 2))
         else:
@@ -196,30 +205,68 @@ class Attention(nn.Module):
         if ls is None:
             return self._out(self._dense(x, qr, q, kv, batch, rope), cis)
 
-        # window: write this dispatch's rows, then gather pos-W+1..pos per query
-        Rw = ls.win.shape[1]
-        ls.win[slots, pos % Rw] = kv.to(ls.win.dtype)
-        ring_idx, bias = batch.cached(("window", Rw, W), lambda: window_index(pos, W, Rw))
-        keys = ls.win[slots[:, None], ring_idx]  # [T, W, hd]
-
+        # writes first: window ring, compressor rows and closed entries (and the indexer's)
+        ls.win[slots, pos % ls.win.shape[1]] = cast(kv, ls.win.dtype)
         if self.kind != WINDOW:
             self.compressor(x, batch, ls.raw_kv, ls.raw_score, ls.entries, rope)
-            limit, n_ent = batch.cached(("limit", self.ratio), lambda: entry_limit(pos, self.ratio))
+        if self.kind == CSA:
+            self.indexer.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
+        # then reads: long rows (prefill chunks) against keys shared by the row, short rows
+        # (decode, verify) each gathering its own keys
+        long_rows, short = batch.cached("split", lambda: split_rows(batch))
+        if not long_rows:
+            return self._out(self._attend_packed(x, qr, q, cis, pos, slots, ls, batch, ""), cis)
+        o = torch.empty_like(q)
+        for slot, start, n, off in long_rows:
+            sl = slice(off, off + n)
+            o[sl] = self._attend_row(x[sl], qr[sl], q[sl], cis[sl], slot, start, n, ls)
+        if short is not None:
+            o[short] = self._attend_packed(x[short], qr[short], q[short], cis[short], pos[short], slots[short],
+                                           ls, batch, "short")
+        return self._out(o, cis)
+
+    def _attend_row(self, x, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
+        """One row's n queries (positions start..start+n-1) -> o [n, H, hd], one matmul per step."""
+        W, dev = self.cfg.sliding_window, x.device
+        p0 = max(0, start - W + 1)
+        kpos = torch.arange(p0, start + n, device=dev)  # [L]
+        keys = ls.win[slot, kpos % ls.win.shape[1]]  # [L, hd]
+        qpos = torch.arange(start, start + n, device=dev)
+        far = (kpos[None, :] > qpos[:, None]) | (kpos[None, :] <= qpos[:, None] - W)
+        bias = torch.zeros(n, kpos.shape[0], device=dev).masked_fill(far, float("-inf"))  # [n, L]
+        if self.kind != WINDOW and (start + n) // self.ratio > 0:
+            n_ent = (start + n) // self.ratio
+            visible = torch.arange(n_ent, device=dev)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+            if self.kind == CSA:
+                cbias = self.indexer.select(x, qr, cis, ls.idx_entries[slot, :n_ent], visible)
+            else:
+                cbias = torch.zeros(n, n_ent, device=dev).masked_fill(~visible, float("-inf"))
+            keys = torch.cat([keys, ls.entries[slot, :n_ent]])  # [L+E, hd]
+            bias = torch.cat([bias, cbias], dim=1)
+        H, hd = self.n_heads, self.head_dim
+        scores = f32(q.reshape(n * H, hd) @ cast(keys, q.dtype).t()).view(n, H, -1) * hd ** -0.5
+        probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
+        return cast((cast(probs, keys.dtype).view(n * H, -1) @ keys).view(n, H, hd), x.dtype)
+
+    def _attend_packed(self, x, qr, q, cis, pos, slots, ls: LayerState, batch: Batch, tag: str) -> torch.Tensor:
+        """Queries [T] of different rows, each gathering its own window and entries -> o [T, H, hd]."""
+        T, hd, W = x.shape[0], self.head_dim, self.cfg.sliding_window
+        Rw = ls.win.shape[1]
+        ring_idx, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, W, Rw))
+        keys = ls.win[slots[:, None], ring_idx]  # [T, W, hd]
+        if self.kind != WINDOW:
+            limit, n_ent = batch.cached((tag, "limit", self.ratio), lambda: entry_limit(pos, self.ratio))
             if n_ent > 0:
                 visible = torch.arange(n_ent, device=x.device)[None, :] < limit[:, None]  # [T, E]
                 if self.kind == CSA:
-                    cbias = self.indexer(x, qr, batch, ls, rope, n_ent, visible)
+                    cbias = self.indexer.select(x, qr, cis, ls.idx_entries[slots, :n_ent], visible)
                 else:
                     cbias = torch.zeros(T, n_ent, device=x.device).masked_fill(~visible, float("-inf"))
                 keys = torch.cat([keys, ls.entries[slots, :n_ent]], dim=1)  # [T, W+E, hd]
                 bias = torch.cat([bias, cbias], dim=1)
-            elif self.kind == CSA:  # keep the indexer's own compressor state in step
-                self.indexer.compressor(x, batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
-
         scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * hd ** -0.5  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
-        o = cast(torch.bmm(cast(probs, keys.dtype), keys), x.dtype)  # [T, H, hd]
-        return self._out(o, cis)
+        return cast(torch.bmm(cast(probs, keys.dtype), keys), x.dtype)  # [T, H, hd]
 
     def _softmax_with_sink(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [T, H, k] or [B, H, S, k] -> probabilities over k (the sink takes its share)."""
@@ -243,8 +290,9 @@ class Attention(nn.Module):
             visible = torch.arange(n, device=x.device)[None, :] < ((i + 1) // self.ratio)[:, None]  # [S, n]
             if self.kind == CSA:
                 ikeys = self.indexer.compressor.pool_dense(x, B, S, rope)  # [B, n, di]
-                cb = torch.cat([self.indexer.select(x.view(B, S, -1)[b], qr.view(B, S, -1)[b], i, ikeys[b],
-                                                    visible, rope) for b in range(B)])
+                icis = rope.rotation(i)
+                cb = torch.cat([self.indexer.select(x.view(B, S, -1)[b], qr.view(B, S, -1)[b], icis, ikeys[b],
+                                                    visible) for b in range(B)])
                 cbias = cb.view(B, S, n)
             else:
                 cbias = torch.zeros(S, n, device=x.device).masked_fill(~visible, float("-inf")).expand(B, S, n)

@@ -115,3 +115,17 @@ def test_state_rejects_gaps(tiny_model):
         tiny_model.forward_batch(Batch.build([(0, 9, [5])]), state)
     with pytest.raises(ValueError, match="roll slot 0 forward"):
         state.rollback(0, 9)
+
+
+def test_mixed_dispatch_of_chunks_and_decodes(tiny_model):
+    """Prefill chunks (attending per row) and decode rows (gathering per token) in one dispatch."""
+    a, b, c = _ids(70, seed=21), _ids(40, seed=22), _ids(30, seed=23)
+    state = tiny_model.new_state(3, 128, max_chunk=64)
+    prefill(tiny_model, state, 1, b[:37], [37])
+    prefill(tiny_model, state, 2, c[:20], [20])
+    rows = [(0, 0, a[:40]), (1, 37, b[37:40]), (2, 20, [c[20]])]
+    _, lg = tiny_model.forward_batch(Batch.build(rows), state)
+    _, lg2 = tiny_model.forward_batch(Batch.build([(0, 40, a[40:70]), (2, 21, c[21:30])]), state)
+    for slot, ids, got in ((0, a, torch.cat([lg[:40], lg2[:30]])), (1, b[:40], lg[40:43]), (2, c, torch.cat([lg[43:44], lg2[30:]]))):
+        whole = tiny_model(torch.tensor([ids]))[0]
+        assert (got - whole[-got.shape[0]:]).abs().max().item() <= TOL, slot
