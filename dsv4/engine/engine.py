@@ -80,6 +80,7 @@ class Engine:
     def __init__(self, config: EngineConfig, *, progress: Callable[[int, int], None] | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
         except TokenizerError:
@@ -101,6 +102,9 @@ class Engine:
                     thinking: bool = False) -> str:
         """Queue a request; raises `RequestError` (for this request alone) when it cannot run."""
         params = params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
+                               "(use stop_token_ids)")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model has no tokenizer.json; send token ids instead of text")
@@ -154,8 +158,8 @@ class Engine:
                 continue
             toks = self.scheduler.on_decode_done(req, res.tokens)
             track = self._tracks.get(req.request_id)
-            if track is not None and res.num_drafted:
-                track.metrics.on_verify(res.num_drafted, res.num_accepted)
+            if track is not None and res.num_drafted:  # drafts cut at EOS/limits do not count
+                track.metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
             outs.append(self._emit(req, toks, res.sources, now))
         return [o for o in outs if o is not None]
 
@@ -163,18 +167,24 @@ class Engine:
         track = self._tracks.get(req.request_id)
         if track is None:  # aborted meanwhile
             return None
+        text = []
+        if track.detok is not None:  # token by token, so a stop string cuts the tokens too
+            for i, t in enumerate(toks):
+                piece = "" if self._is_eos(req, t) else track.detok.push(t)
+                if req.is_finished and i == len(toks) - 1:
+                    piece += track.detok.flush()
+                emit, stopped = track.stop.feed(piece)
+                text.append(emit)
+                if stopped:
+                    toks = toks[: i + 1]
+                    self.scheduler.finish(req, FINISH_STOP)  # no-op if it already finished
+                    req.finish_reason = FINISH_STOP
+                    break
+            else:
+                if req.is_finished:
+                    text.append(track.stop.flush())
         track.metrics.on_tokens(len(toks), now)
-        out = RequestOutput(req.request_id, token_ids=list(toks), sources=list(sources[: len(toks)]))
-        if track.detok is not None:
-            text = "".join(track.detok.push(t) for t in toks if not self._is_eos(req, t))
-            if req.is_finished:
-                text += track.detok.flush()
-            emit, stopped = track.stop.feed(text)
-            if stopped and not req.is_finished:
-                self.scheduler.finish(req, FINISH_STOP)
-            if req.is_finished and not stopped:
-                emit += track.stop.flush()
-            out.text = emit
+        out = RequestOutput(req.request_id, "".join(text), list(toks), list(sources[: len(toks)]))
         if req.is_finished:
             track.metrics.on_finish(now)
             self.metrics.add(track.metrics)

@@ -26,6 +26,7 @@ from dsv4.engine.request import RequestError
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 _U64 = 2**64
+MIN_TEMPERATURE = 1e-5  # below this logits / T overflows float32; use 0 for greedy
 
 
 @dataclass
@@ -64,6 +65,8 @@ class SamplingParams:
         """Raise `RequestError` naming the first bad parameter."""
         _int("max_tokens", self.max_tokens, 1)
         _num("temperature", self.temperature, 0.0, None)
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
         _int("top_k", self.top_k, 0)
         _num("top_p", self.top_p, 0.0, 1.0, open_low=True)
         _num("min_p", self.min_p, 0.0, 1.0)
@@ -152,8 +155,10 @@ def logits_to_probs(
     sorted_x = sorted_x.masked_fill(sorted_x < sorted_x[:, :1] + log_min_p[:, None], float("-inf"))
 
     probs = torch.zeros_like(x).scatter_(-1, order, sorted_x.softmax(dim=-1))
+    greedy = greedy | ~torch.isfinite(probs).all(dim=-1)  # a row that overflowed falls back to argmax
     if bool(greedy.any()):
-        one_hot = torch.zeros_like(x).scatter_(-1, logits.float().argmax(dim=-1, keepdim=True), 1.0)
+        safe = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        one_hot = torch.zeros_like(x).scatter_(-1, safe.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
 

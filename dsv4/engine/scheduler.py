@@ -26,8 +26,9 @@ Policy.
   step, prefills in admission order. In single-dispatch mode a prompt goes whole or
   waits; a prompt that does not fit the budget left also blocks those behind it, so a
   long prompt is never overtaken forever by short ones.
-* Decodes: each gets 1 token first (least recently served first), then drafts, capped
-  by `num_spec` and by the room before max_model_len and max_tokens, while budget lasts.
+* Decodes: least recently served first, each with all its drafts (`num_spec`, capped by
+  the room before max_model_len and max_tokens) or, if that does not fit the budget left,
+  not at all this step. The draft count of a request never depends on the others.
 * No starvation: decodes normally go first (steady TPOT). If in the last step some
   request was waiting to prefill and got nothing, prefills go first in this step. So
   a prefill is served at least every other step, and since a prefill-first step always
@@ -232,15 +233,18 @@ class Scheduler:
         return budget
 
     def _plan_decodes(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> int:
-        reqs = sorted(reqs, key=lambda r: r.last_scheduled_step)  # stable: admission order on ties
-        served = reqs[:budget]
-        budget -= len(served)
-        for req in served:
-            drafts = min(self.draft_room(req), budget)
-            budget -= drafts
-            req.num_scheduled_tokens = 1 + drafts
+        """Least recently served first, each with all the drafts its room allows or not at
+        all this step: the draft count never depends on other requests, so a seeded
+        sampled request makes the same tokens whatever runs beside it. One that does not
+        fit goes first next step (the budget is at least 1 + K)."""
+        for req in sorted(reqs, key=lambda r: r.last_scheduled_step):  # stable: admission order on ties
+            n = 1 + self.draft_room(req)
+            if n > budget:
+                continue
+            budget -= n
+            req.num_scheduled_tokens = n
             req.last_scheduled_step = self._step
-            out.decodes.append((req, 1 + drafts))
+            out.decodes.append((req, n))
         return budget
 
     def draft_room(self, req: Request) -> int:

@@ -175,3 +175,30 @@ def test_profile_dir_gets_labelled_step_traces(ckpt, tmp_path):
     assert traces
     text = traces[0].read_text()
     assert all(f'"dsv4.{s}"' in text for s in ("dispatch", "sample_verify", "mtp"))
+
+
+def test_seeded_sampling_ignores_neighbours_under_speculation(ckpt):
+    """A tight step budget must not change how many drafts a seeded request gets."""
+    prompts = _prompts([6, 9, 4, 11], seed=6)
+    sp = SamplingParams(max_tokens=30, temperature=0.7, seed=123, ignore_eos=True)
+    other = SamplingParams(max_tokens=30, temperature=0.7, ignore_eos=True)
+    kw = dict(num_speculative_tokens=2, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=7)
+    (alone,) = LLM(ckpt[0], **kw).generate([prompts[0]], sp)
+    crowded = LLM(ckpt[0], **kw).generate(prompts, [sp, other, other, other])[0]
+    assert crowded.token_ids == alone.token_ids
+
+
+def test_stop_string_cuts_tokens_and_usage(ckpt):
+    d = ckpt[0]
+    (g,) = LLM(d, num_speculative_tokens=0, max_model_len=512).generate(
+        ["ROMEO:"], SamplingParams(max_tokens=30, ignore_eos=True))
+    stop = g.text[len(g.text) // 2: len(g.text) // 2 + 3]
+    outs = []
+    for K in (0, 3):
+        llm = LLM(d, num_speculative_tokens=K, max_model_len=512)
+        llm.engine.runner.draft_override = lambda req, so_far, d: (g.token_ids[len(so_far):] + [5] * 3)[:3]
+        (c,) = llm.generate(["ROMEO:"], SamplingParams(max_tokens=30, ignore_eos=True, stop=[stop]))
+        assert c.finish_reason == "stop" and c.text == g.text[: g.text.index(stop)]
+        assert c.metrics["usage"]["completion_tokens"] == len(c.token_ids)
+        outs.append(c.token_ids)
+    assert outs[0] == outs[1]  # the tokens after the one that completed the stop string are dropped

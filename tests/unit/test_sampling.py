@@ -242,3 +242,13 @@ def test_request_metrics_definitions() -> None:
     assert ed["timings"]["ttft_s"]["p50"] == pytest.approx(0.5)
     assert ed["throughput"]["output_tokens_per_s"] == pytest.approx(16 / 1.2)
     assert RequestMetrics().to_dict()["spec"]["acceptance_rate"] is None
+
+
+def test_tiny_temperature_rejected_and_overflow_falls_back_to_argmax() -> None:
+    with pytest.raises(RequestError, match="temperature must be 0"):
+        SamplingParams(temperature=1e-40).validate()
+    logits = torch.tensor([[0.0, float("inf"), 1.0], [0.0, 2.0, 1.0]])
+    one = torch.ones(2)
+    probs = logits_to_probs(logits, one, torch.zeros(2, dtype=torch.long), one, torch.zeros(2))
+    assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.isfinite(probs).all()
