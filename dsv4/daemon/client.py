@@ -25,6 +25,7 @@ from dsv4.daemon import protocol as P
 from dsv4.daemon.paths import daemon_pid, ipc_path
 
 PING_TIMEOUT_S = 3.0
+BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers between engine steps, which can be long
 SILENCE_TIMEOUT_S = 60.0  # tcp only: no word from the daemon for this long means it is gone
 NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve'"
 
@@ -125,6 +126,7 @@ class Client:
             if not path.exists():
                 raise DaemonUnreachable(f"the dsv4 daemon (pid {pid}) is still starting (loading the model); "
                                         f"try again shortly")
+            timeout_s = max(timeout_s, BUSY_PING_TIMEOUT_S)  # its pid is alive: it may be mid-step
         try:
             self.daemon = self.call(P.Ping(new_id()), timeout_s)
         except DaemonTimeout:
