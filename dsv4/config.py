@@ -99,6 +99,17 @@ class ModelConfig:
         """Most prompt tokens one dispatch may take (the reference kernel's tile)."""
         return DEEPSEEK_V4_PREFILL_LIMIT
 
+    @property
+    def speculation_spans_chunks(self) -> bool:
+        """Can the MTP drafter's state be carried across prefill chunks? Yes for DeepSeek V4:
+        every state (window rings, compressors, MTP window) is indexed by absolute position."""
+        return True
+
+    @property
+    def mtp_depth(self) -> int:
+        """Drafts per step the MTP layers support (one layer applied recurrently, up to 3)."""
+        return 3 if self.num_nextn_predict_layers > 0 else 0
+
     def is_hash_layer(self, i: int) -> bool:
         return i < self.num_hash_layers
 

@@ -138,6 +138,12 @@ class EngineConfig:
         if mml > max_pos:
             raise EngineConfigError(f"--max-model-len {mml} exceeds the model's max_position_embeddings "
                                     f"{max_pos}; lower --max-model-len to {max_pos}")
+        if self.single_dispatch and mml > self.single_dispatch_limit and self.enable_chunked_prefill:
+            raise EngineConfigError(
+                f"speculative decoding needs each prompt in one dispatch on this model (it cannot carry the MTP "
+                f"state across chunks), but max_model_len {mml} exceeds the single-dispatch limit "
+                f"{self.single_dispatch_limit}; use --num-speculative-tokens 0 or lower --max-model-len to "
+                f"{self.single_dispatch_limit}")
         if self.single_dispatch and mml > self.single_dispatch_limit:
             lim = self.single_dispatch_limit
             if lim < plimit:
@@ -153,8 +159,10 @@ class EngineConfig:
     # ------------------------------------------------------------------ derived
     @property
     def single_dispatch(self) -> bool:
-        """Each prompt must go in one dispatch (chunked prefill is off)."""
-        return not self.enable_chunked_prefill
+        """Each prompt must go in one dispatch: chunked prefill is off, or speculation is on
+        and the model cannot carry the drafter's state across chunks."""
+        spans = self.model_config.speculation_spans_chunks
+        return not self.enable_chunked_prefill or (self.num_speculative_tokens > 0 and not spans)
 
     @property
     def single_dispatch_limit(self) -> int:
@@ -174,7 +182,7 @@ class EngineConfig:
     @property
     def mtp_depth(self) -> int:
         """How many drafts the checkpoint supports per step (the MTP block applied recurrently)."""
-        return MAX_SPECULATIVE_TOKENS if self.has_mtp else 0
+        return min(MAX_SPECULATIVE_TOKENS, self.model_config.mtp_depth) if self.has_mtp else 0
 
     @property
     def torch_dtype(self) -> Any:
@@ -190,7 +198,9 @@ class EngineConfig:
             f"effective prefill chunk size {self.effective_chunk_size}"
             + (" (single dispatch)" if self.single_dispatch else ""),
             f"speculative tokens K = {self.num_speculative_tokens} (MTP weights: {'yes' if self.has_mtp else 'no'})",
-            "chunked prefill with speculative decoding: supported",
+            "chunked prefill with speculative decoding: "
+            + ("supported" if self.model_config.speculation_spans_chunks
+               else "not supported by this model (prompts go in one dispatch when K > 0)"),
         ]
 
 

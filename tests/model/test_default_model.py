@@ -61,3 +61,11 @@ def test_heldout_acceptance_above_half(llm):
     drafted = sum(c.metrics["spec"]["drafted"] for c in out)
     accepted = sum(c.metrics["spec"]["accepted"] for c in out)
     assert drafted > 0 and accepted / drafted > 0.5, accepted / drafted
+
+
+def test_bfloat16_serving_smoke():
+    """The dtype GPUs use: loads, prefills across chunks, drafts and verifies (values not compared)."""
+    llm = LLM(dtype="bfloat16", max_num_seqs=2, max_model_len=512, prefill_limit=64)
+    out = llm.generate(["ROMEO:", "JULIET: " * 30], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert all(len(c.token_ids) == 8 and c.text for c in out)
+    assert llm.engine.model.embed.weight.dtype == torch.bfloat16

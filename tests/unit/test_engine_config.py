@@ -281,3 +281,15 @@ def test_corrupt_safetensors_named(ckpt: Path) -> None:
     (ckpt / "model.safetensors").write_bytes(b"\x00" * 4)
     msg = err(EngineConfig.create, model=str(ckpt))
     assert msg.startswith("--model ") and "model.safetensors" in msg
+
+
+def test_model_that_cannot_carry_speculation_across_chunks(ckpt: Path, monkeypatch) -> None:
+    from dsv4.config import ModelConfig
+
+    assert EngineConfig.create(model=str(ckpt), num_speculative_tokens=1).single_dispatch is False
+    monkeypatch.setattr(ModelConfig, "speculation_spans_chunks", property(lambda self: False))
+    cfg = EngineConfig.create(model=str(ckpt), num_speculative_tokens=1, max_model_len=128)
+    assert cfg.single_dispatch and "not supported" in cfg.banner_lines()[-1]
+    assert not EngineConfig.create(model=str(ckpt), num_speculative_tokens=0, max_model_len=4096).single_dispatch
+    msg = err(EngineConfig.create, model=str(ckpt), num_speculative_tokens=1, max_model_len=4096)
+    assert "cannot carry the MTP state" in msg and "--num-speculative-tokens 0" in msg
