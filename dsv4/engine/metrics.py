@@ -40,8 +40,26 @@ def percentiles(values: Sequence[float]) -> dict[str, float | None]:
     return {"mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99)}
 
 
+class _Acceptance:
+    """Acceptance figures of anything counting `drafted`, `accepted` and `verify_steps`."""
+
+    drafted: int
+    accepted: int
+    verify_steps: int
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return _ratio(self.accepted, self.drafted)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """1 + accepted / verify steps: tokens per verify step, the bonus token included."""
+        r = _ratio(self.accepted, self.verify_steps)
+        return None if r is None else 1.0 + r
+
+
 @dataclass
-class RequestMetrics:
+class RequestMetrics(_Acceptance):
     """Timings and speculation counters of one request."""
 
     arrival: float = field(default_factory=time.monotonic)
@@ -102,15 +120,6 @@ class RequestMetrics:
         ttft, e2e, n = self.ttft, self.e2e, self.completion_tokens
         return None if ttft is None or e2e is None or n < 2 else (e2e - ttft) / (n - 1)
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return _ratio(self.accepted, self.drafted)
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        r = _ratio(self.accepted, self.verify_steps)
-        return None if r is None else 1.0 + r
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
@@ -127,7 +136,7 @@ class RequestMetrics:
 
 
 @dataclass
-class EngineMetrics:
+class EngineMetrics(_Acceptance):
     """Totals over finished requests, plus distributions of their timings."""
 
     start_time: float = field(default_factory=time.monotonic)
@@ -172,15 +181,6 @@ class EngineMetrics:
         end = m.finish_time if m.finish_time is not None else (m.token_times[-1] if m.token_times else None)
         if end is not None:
             self.last_time = end if self.last_time is None else max(self.last_time, end)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return _ratio(self.accepted, self.drafted)
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        r = _ratio(self.accepted, self.verify_steps)
-        return None if r is None else 1.0 + r
 
     def output_throughput(self, now: float | None = None) -> float | None:
         """Output tokens per second of wall time since `start_time`."""
