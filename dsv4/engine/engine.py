@@ -66,7 +66,7 @@ def _profiler(config: EngineConfig):
 
     import warnings
 
-    warnings.filterwarnings("ignore", message="Profiler clears events")
+    warnings.filterwarnings("ignore", message=".*Profiler clears events")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config.device.startswith("cuda") else [])
     prof = profile(activities=acts, schedule=schedule(wait=5, warmup=1, active=10, repeat=10),
                    on_trace_ready=tensorboard_trace_handler(config.profile_dir, worker_name="dsv4"))
