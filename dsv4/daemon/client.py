@@ -80,7 +80,11 @@ class Client:
 
     # ------------------------------------------------------------------ basics
     def send(self, msg: dict[str, Any]) -> None:
-        self._sock.send(P.encode(msg))
+        frame = P.encode(msg)
+        if len(frame) > P.MAX_MESSAGE_BYTES:  # the daemon would drop it without a reply
+            raise DaemonError(P.ERR_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of "
+                                               f"{P.MAX_MESSAGE_BYTES}; send a shorter prompt")
+        self._sock.send(frame)
         self._last_sent = time.monotonic()
 
     def recv(self, timeout_s: float | None) -> dict[str, Any] | None:

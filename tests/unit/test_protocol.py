@@ -343,3 +343,11 @@ def test_show_drafts_colours_draft_characters() -> None:
     assert first == f"a{DRAFT_COLOUR}b{RESET}"
     assert second == f"{DRAFT_COLOUR}cd{RESET}é"
     assert out._coloured("zz", [], []) == "zz"  # text beyond the pieces: plain
+
+
+def test_client_refuses_a_frame_the_daemon_would_drop(tmp_path):
+    from dsv4.daemon.client import Client, DaemonError
+
+    with Client(f"ipc://{tmp_path}/none.sock") as c:
+        with pytest.raises(DaemonError, match="exceeds the limit"):
+            c.send({"v": P.PROTOCOL_VERSION, "type": "generate", "id": "x", "prompt": "é" * (P.MAX_MESSAGE_BYTES // 2 + 1)})
