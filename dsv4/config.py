@@ -91,10 +91,6 @@ class ModelConfig:
 
     # ------------------------------------------------------------------ helpers
     @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
-
-    @property
     def prefill_limit(self) -> int:
         """Most prompt tokens one dispatch may take (the reference kernel's tile)."""
         return DEEPSEEK_V4_PREFILL_LIMIT

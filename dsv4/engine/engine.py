@@ -21,7 +21,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
-from .request import FINISH_ABORT, FINISH_STOP, Request, RequestError
+from .request import FINISH_STOP, Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -217,10 +217,3 @@ class Engine:
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
-
-    def abort_all(self, reason: str = FINISH_ABORT) -> list[RequestOutput]:
-        outs = []
-        for rid in list(self._tracks):
-            self.abort(rid)
-            outs.append(RequestOutput(rid, finished=True, finish_reason=reason))
-        return outs

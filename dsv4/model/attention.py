@@ -194,7 +194,7 @@ class Attention(nn.Module):
         """x: [T, D] normed sub-layer input -> [T, D]. Without state (`ls` None) the
         batch must be dense: B whole sequences from position 0."""
         cfg = self.cfg
-        T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, cfg.sliding_window
+        T, H, hd = x.shape[0], self.n_heads, self.head_dim
         pos, slots = batch.positions, batch.slots
         cis = rope_at(rope, pos, batch)
 

@@ -42,10 +42,6 @@ def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * cast(torch.rsqrt(f32(x).square().mean(-1, keepdim=True) + eps), x.dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, w)
-
-
 class RopeTable(nn.Module):
     """Rotations e^{i pos f} of interleaved RoPE for one base (and optional YaRN), grown on demand.
 

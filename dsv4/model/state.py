@@ -79,14 +79,6 @@ class Batch:
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
 
-    def last_index(self) -> torch.Tensor:
-        """Index of each row's last token in the packed axis: [R]."""
-        ends, acc = [], 0
-        for _, _, n in self.rows:
-            acc += n
-            ends.append(acc - 1)
-        return torch.tensor(ends, dtype=torch.long, device=self.input_ids.device)
-
 
 class LayerState:
     """State tensors of one attention layer (see the module docstring)."""

@@ -8,7 +8,6 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.request import RequestError
-from dsv4.model.state import Batch
 from tests.checkpoints import write_tiny_checkpoint
 
 LENGTHS = [1, 2, 127, 128, 129, 255, 256, 257, 300]  # 300: past the window, many windows closed
