@@ -17,7 +17,6 @@ The tokenizer is read from --tokenizer (default: dsv4/assets/tiny-shakespeare).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import shutil
 import time
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 from dsv4.engine.tokenizer import Tokenizer
+from dsv4.model.checkpoint import save_checkpoint
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.state import Batch
 
@@ -111,17 +111,8 @@ def evaluate(model: DeepseekV4, data: torch.Tensor, seq: int, n: int) -> tuple[f
 
 
 def export(model: DeepseekV4, cfg_dict: dict, tok_dir: Path, out: Path) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    sd = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous()
-          for k, v in model.state_dict().items()}
-    # mHC, sinks, ape and router bias are float32 in the official checkpoint
-    for k in sd:
-        if any(s in k for s in ("hc_", "attn_sink", ".ape", "gate.bias")):
-            sd[k] = model.state_dict()[k].float().contiguous()
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg_dict, indent=2) + "\n")
+    """The official layout in bf16 (mHC, sinks, ape and router bias stay float32)."""
+    save_checkpoint(out, model.state_dict(), cfg_dict, dtype=torch.bfloat16)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / f, out / f)
 

@@ -22,7 +22,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -85,13 +85,17 @@ class _Entry:
 
 
 def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
-                    device: Union[str, torch.device] = "cpu") -> tuple[dict[str, torch.Tensor], dict]:
+                    device: Union[str, torch.device] = "cpu", keep_f32: bool = False,
+                    progress: Optional[Callable[[int, int], None]] = None
+                    ) -> tuple[dict[str, torch.Tensor], dict]:
     """Load a checkpoint directory: (dequantised tensors keyed by official name, config.json).
 
-    Float tensors are cast to ``dtype``; FP8/FP4 weights are dequantised to ``dtype`` (their
-    ``.scale`` tensors are consumed); I32/I64 tensors come back as int64. Files are memory
-    mapped and converted tensor by tensor, shard by shard. All headers are checked before
-    any data is read. Raises ``CheckpointError``.
+    Float tensors are cast to ``dtype`` (with ``keep_f32``, those the official layout keeps
+    in float32 -- mHC, sinks, ``ape``, router bias -- stay float32); FP8/FP4 weights are
+    dequantised to ``dtype`` (their ``.scale`` tensors are consumed); I32/I64 tensors come
+    back as int64. Files are memory mapped and converted tensor by tensor, shard by shard,
+    so peak memory stays near the size of the result. All headers are checked before any
+    data is read. ``progress(done, total)`` is called per tensor. Raises ``CheckpointError``.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"read_checkpoint dtype must be a floating dtype, got {dtype}")
@@ -106,8 +110,14 @@ def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
             for name in names:
                 raw = _get(f, file, name, entries[name].dtype).to(device)
                 kind = plan[name]
+                if progress is not None:
+                    progress(len(out) + 1, len(plan))
                 if kind == "plain":
-                    out[name] = raw.to(torch.int64) if entries[name].dtype in _INT_DTYPES else raw.to(dtype)
+                    if entries[name].dtype in _INT_DTYPES:
+                        out[name] = raw.to(torch.int64)
+                    else:
+                        keep = keep_f32 and official_storage(name) == "f32"
+                        out[name] = raw.to(torch.float32 if keep else dtype)
                     continue
                 sname = scale_name(name)
                 se = entries[sname]

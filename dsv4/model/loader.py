@@ -5,8 +5,9 @@ dequantised by `checkpoint.read_checkpoint`), checks every tensor against the
 model's own parameter shapes (missing, unexpected, mismatched: one clear error),
 and places the model on the requested device and dtype. The model is built on the
 meta device and the loaded tensors are assigned, so no second copy of the weights
-is ever allocated. mHC parameters, sinks, `ape` and router biases stay float32,
-as in the official checkpoint.
+is ever allocated: tensors are converted to the target device and dtype as they are
+read. mHC parameters, sinks, `ape` and router biases stay float32, as in the
+official checkpoint.
 """
 
 from __future__ import annotations
@@ -20,13 +21,6 @@ from ..config import ModelConfig
 from .checkpoint import CheckpointError, check_tensors, read_checkpoint
 from .layers import RopeTable
 from .model import DeepseekV4
-
-_F32 = ("hc_", "attn_sink", ".ape", "gate.bias")
-
-
-def keeps_float32(name: str) -> bool:
-    return any(s in name for s in _F32)
-
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """'cpu', 'cuda[:N]' or 'npu[:N]' -> torch.device, with a clear error when unavailable."""
@@ -46,20 +40,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     """Load a checkpoint directory (config.json + *.safetensors, official names)."""
     cfg = ModelConfig.from_dir(path)
     dev = resolve_device(device)
-    tensors, _ = read_checkpoint(path, dtype=torch.float32, device="cpu")
+    tensors, _ = read_checkpoint(path, dtype=dtype, device=dev, keep_f32=True, progress=progress)
     with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in tensors)
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=with_mtp)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_tensors(tensors, expected)
-    total = len(tensors)
-    for i, name in enumerate(list(tensors)):
-        t = tensors[name]
-        if t.is_floating_point() and not keeps_float32(name):
-            t = t.to(dtype)
-        tensors[name] = t.to(dev)
-        if progress is not None:
-            progress(i + 1, total)
     model.load_state_dict(tensors, strict=True, assign=True)
     rd = cfg.qk_rope_head_dim
     model.rope_main = RopeTable(rd, cfg.rope_theta, None).to(dev)
