@@ -14,6 +14,47 @@ from torch import nn
 from ..config import ModelConfig, YarnParams, yarn_inv_freq
 
 
+class Linear(nn.Module):
+    """Bias-free linear whose parameter is named `weight`, as in the checkpoint."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class FusedLinear:
+    """Linears that read the same input, run as one matmul (decode is op-overhead bound).
+
+    Concatenates the weights into one [sum of outputs, in] tensor and makes each
+    module's parameter a view of its rows, so memory does not grow, `state_dict()` is
+    unchanged and in-place updates of the parameters stay visible. `fused(x)` returns
+    the outputs in module order: a tuple of [..., out_i] views. Build it after the
+    model is on its device; moving the model afterwards leaves it behind.
+    """
+
+    def __init__(self, linears: list[Linear]):
+        self.sizes = [m.weight.shape[0] for m in linears]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.detach() for m in linears])  # [sum(sizes), in]
+        off = 0
+        for m, n in zip(linears, self.sizes):
+            m.weight.data = self.weight[off:off + n]
+            off += n
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+
+
+def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[Linear]) -> tuple[torch.Tensor, ...]:
+    """The outputs of `linears` on x: one matmul when they are fused, else one each."""
+    if fused is not None:
+        return fused(x)
+    return tuple(F.linear(x, m.weight) for m in linears)
+
+
 class RMSNorm(nn.Module):
     """Weighted RMS norm over the last dim, computed in float32."""
 
@@ -66,19 +107,28 @@ class RopeTable(nn.Module):
         return self.cis[pos]
 
 
-def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*cis.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1])
     read as complex numbers: out = x * e^{i pos f} (the conjugate when `inverse`, used on
     the attention output).
 
-    x: [T, ..., d]; cis: complex [T, r/2] (broadcast over the middle dims).
+    x: [T, ..., d]; cis: complex [T, r/2] (broadcast over the middle dims). With
+    `inplace` (for callers that own a fresh x) the rotation is written into x unless
+    autograd tracks it; the arithmetic is the same either way.
     """
     half = cis.shape[-1]
     if cis.dim() < x.dim():
         cis = cis.view(cis.shape[0], *([1] * (x.dim() - cis.dim())), half)
     if inverse:
         cis = cis.conj()
-    rope = torch.view_as_complex(f32(x[..., -2 * half:]).reshape(*x.shape[:-1], half, 2))
+    tail = x[..., -2 * half:]
+    if inplace and not (x.requires_grad and torch.is_grad_enabled()):
+        if tail.dtype == torch.float32:
+            torch.view_as_complex(tail.unflatten(-1, (half, 2))).mul_(cis)
+        else:
+            tail.copy_(torch.view_as_real(torch.view_as_complex(f32(tail).unflatten(-1, (half, 2))) * cis).flatten(-2))
+        return x
+    rope = torch.view_as_complex(f32(tail).reshape(*x.shape[:-1], half, 2))
     out = torch.view_as_real(rope * cis).flatten(-2)
     return torch.cat([x[..., : -2 * half], cast(out, x.dtype)], dim=-1)
 
@@ -87,24 +137,57 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Project [T, hc, hc] logits towards a doubly stochastic matrix (row softmax, then
     alternate column/row normalisations; the last one is a column normalisation).
 
-    Decode runs this on a few 4x4 matrices: on the CPU without autograd, numpy's small-op
-    overhead is half of torch's, and the arithmetic is the same IEEE float32, bit for bit.
+    Decode runs this on one or two 4x4 matrices per sub-layer, where op overhead is all
+    the cost. On the CPU without autograd the iterations run in float64: plain Python
+    for a few hc=4 matrices, numpy otherwise. Both perform the same IEEE double
+    operations in the same order (sums left to right), so they agree bit for bit and a
+    row's result does not depend on the batch it rides in.
     """
     c = torch.softmax(c, dim=-1)
-    if c.device.type == "cpu" and c.dtype == torch.float32 and not c.requires_grad:
-        a = c.numpy()
+    if c.device.type == "cpu" and not c.requires_grad:
+        if c.shape[-1] == 4 and c.shape[0] <= SINKHORN_PY_MAX:
+            out = [_sinkhorn4(m, iters, eps) for m in c.tolist()]
+            return torch.tensor(out, dtype=c.dtype).view(c.shape)
+        a = c.double().numpy()
         a += eps
         a /= a.sum(-2, keepdims=True) + eps
         for _ in range(iters - 1):
             a /= a.sum(-1, keepdims=True) + eps
             a /= a.sum(-2, keepdims=True) + eps
-        return c
+        return torch.from_numpy(a).to(c.dtype)
     c = c + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
         c = c / (c.sum(dim=-2, keepdim=True) + eps)
     return c
+
+
+SINKHORN_PY_MAX = 2  # up to this many matrices, unrolled Python beats numpy's per-call overhead
+
+
+def _sinkhorn4(m: list[list[float]], iters: int, eps: float) -> list[list[float]]:
+    """`sinkhorn`'s iterations on one 4x4 matrix (after the softmax) in Python floats."""
+    (a, b, c, d), (e, f, g, h), (i, j, k, l), (m_, n, o, p) = ([x + eps for x in r] for r in m)  # noqa: E741
+    for it in range(iters):
+        if it:  # rows
+            s = a + b + c + d + eps
+            a, b, c, d = a / s, b / s, c / s, d / s
+            s = e + f + g + h + eps
+            e, f, g, h = e / s, f / s, g / s, h / s
+            s = i + j + k + l + eps
+            i, j, k, l = i / s, j / s, k / s, l / s  # noqa: E741
+            s = m_ + n + o + p + eps
+            m_, n, o, p = m_ / s, n / s, o / s, p / s
+        s = a + e + i + m_ + eps  # columns
+        a, e, i, m_ = a / s, e / s, i / s, m_ / s
+        s = b + f + j + n + eps
+        b, f, j, n = b / s, f / s, j / s, n / s
+        s = c + g + k + o + eps
+        c, g, k, o = c / s, g / s, k / s, o / s
+        s = d + h + l + p + eps
+        d, h, l, p = d / s, h / s, l / s, p / s
+    return [[a, b, c, d], [e, f, g, h], [i, j, k, l], [m_, n, o, p]]
 
 
 class HyperConnection(nn.Module):
@@ -118,27 +201,46 @@ class HyperConnection(nn.Module):
     def pre(
         x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hc = cfg.hc_mult
-        xf = rms_unweighted(f32(x.flatten(-2)), cfg.rms_norm_eps)  # [T, hc*D]
-        mixes = F.linear(xf, f32(fn))  # [T, (2+hc)*hc]
-        base, scale = f32(base), f32(scale)
-        pre = torch.sigmoid(mixes[:, :hc] * scale[0] + base[:hc]) + cfg.hc_eps
-        post = 2 * torch.sigmoid(mixes[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-        comb = mixes[:, 2 * hc :].view(-1, hc, hc) * scale[2] + base[2 * hc :].view(hc, hc)
-        comb = sinkhorn(comb, cfg.hc_sinkhorn_iters, cfg.hc_eps)
-        y = cast((pre.unsqueeze(-1) * x).sum(dim=1), x.dtype)  # [T, D]
-        return y, post, comb
+        hc, T = cfg.hc_mult, x.shape[0]
+        # z = base + scale * (fn @ rms_norm(x)), the three scales spread over their segments
+        z = torch.addcmul(f32(base), _mix(x, fn, cfg.rms_norm_eps), f32(scale)[_scale_index(hc, x.device)])
+        gates = torch.sigmoid(z[:, : 2 * hc])  # [T, 2hc]
+        pre, post = gates[:, :hc] + cfg.hc_eps, gates[:, hc:] * 2
+        comb = sinkhorn(z[:, 2 * hc:].view(T, hc, hc), cfg.hc_sinkhorn_iters, cfg.hc_eps)
+        return _collapse(pre, x), post, comb
 
     @staticmethod
     def post(fy: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
         dt = x.dtype
         # out[j] = post[j] * f(y) + sum_i comb[i, j] * x[i]
-        return cast(post, dt).unsqueeze(-1) * fy.unsqueeze(-2) + torch.matmul(cast(comb, dt).transpose(-1, -2), x)
+        return torch.baddbmm(cast(post, dt).unsqueeze(-1) * fy.unsqueeze(1), cast(comb, dt).transpose(1, 2), x)
 
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """Collapse the hc streams for the head: [T, hc, D] -> [T, D] (no Sinkhorn)."""
-    xf = rms_unweighted(f32(x.flatten(-2)), cfg.rms_norm_eps)
-    mixes = F.linear(xf, f32(fn))
-    pre = torch.sigmoid(mixes * f32(scale) + f32(base)) + cfg.hc_eps
-    return cast((pre.unsqueeze(-1) * x).sum(dim=1), x.dtype)
+    pre = torch.sigmoid(torch.addcmul(f32(base), _mix(x, fn, cfg.rms_norm_eps), f32(scale))) + cfg.hc_eps
+    return _collapse(pre, x)
+
+
+def _mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """fn @ rms_norm(flattened streams): [T, hc, D] -> [T, n] float32 (the norm is applied
+    to the n outputs rather than the hc*D inputs: the same value, fewer operations)."""
+    xf = f32(x).flatten(1)  # [T, hc*D]
+    return F.linear(xf, f32(fn)) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+
+
+def _collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum_i weights[:, i] * x[:, i]: [T, hc] and [T, hc, D] -> [T, D] in x's dtype."""
+    return cast(torch.bmm(weights.unsqueeze(1), f32(x)).squeeze(1), x.dtype)
+
+
+_SCALE_INDEX: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
+    """Which of the three mHC scales each of the (2 + hc) * hc mixes takes: [0]*hc + [1]*hc + [2]*hc*hc."""
+    key = (hc, device)
+    if key not in _SCALE_INDEX:
+        with torch.inference_mode(False):  # an ordinary tensor, usable by training too
+            _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+    return _SCALE_INDEX[key]

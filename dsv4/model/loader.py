@@ -36,8 +36,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None) -> DeepseekV4:
-    """Load a checkpoint directory (config.json + *.safetensors, official names)."""
+               progress: Callable[[int, int], None] | None = None, fuse: bool = True) -> DeepseekV4:
+    """Load a checkpoint directory (config.json + *.safetensors, official names).
+
+    `fuse` (default) fuses linears that read the same input for inference
+    (`DeepseekV4.fuse_projections`): move or train the model afterwards only without it."""
     cfg = ModelConfig.from_dir(path)
     dev = resolve_device(device)
     tensors, _ = read_checkpoint(path, dtype=dtype, device=dev, keep_f32=True, progress=progress)
@@ -50,4 +53,6 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     rd = cfg.qk_rope_head_dim
     model.rope_main = RopeTable(rd, cfg.rope_theta, None).to(dev)
     model.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn).to(dev)
+    if fuse:
+        model.fuse_projections()
     return model.eval()

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import WINDOW, ModelConfig
-from .attention import Attention, Linear
-from .layers import HyperConnection, RMSNorm, RopeTable, f32, hc_head
-from .moe import MoE
+from .attention import Attention
+from .layers import HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head
+from .moe import Expert, MoE
 from .state import Batch, LayerState, ModelState
 
 
@@ -91,6 +91,16 @@ class DeepseekV4(nn.Module):
         rd = cfg.qk_rope_head_dim
         self.rope_main = RopeTable(rd, cfg.rope_theta, None)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn)
+
+    def fuse_projections(self) -> "DeepseekV4":
+        """For inference: every group of linears that reads one input runs as one matmul
+        (attention's projections of x, each expert's w1/w3). Parameters become views of
+        the fused weights, so memory does not grow and `state_dict()` is unchanged.
+        Call it once the model is on its device (`load_model` does)."""
+        for mod in self.modules():
+            if isinstance(mod, (Attention, Expert)):
+                mod.fuse()
+        return self
 
     @property
     def has_mtp(self) -> bool:

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import Linear
-from .layers import cast, f32
+from .layers import FusedLinear, Linear, cast, f32, project
 
 
 class Expert(nn.Module):
@@ -25,15 +24,20 @@ class Expert(nn.Module):
         super().__init__()
         self.w1, self.w2, self.w3 = Linear(dim, inter), Linear(inter, dim), Linear(dim, inter)
         self.limit = limit
+        self.fused: FusedLinear | None = None
+
+    def fuse(self) -> None:
+        """Inference: w1 and w3 as one matmul (see `FusedLinear`)."""
+        self.fused = FusedLinear([self.w1, self.w3])
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        g, u = f32(self.w1(x)), f32(self.w3(x))
+        g, u = (f32(t) for t in project(x, self.fused, [self.w1, self.w3]))
         if self.limit > 0:
             g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         h = F.silu(g) * u
         if weight is not None:
             h = h * weight.unsqueeze(-1)
-        return self.w2(cast(h, x.dtype))
+        return F.linear(cast(h, x.dtype), self.w2.weight)
 
 
 class Gate(nn.Module):

@@ -1,0 +1,120 @@
+"""The KV compressor of CSA/HCA layers and the lightning indexer of CSA layers.
+
+The compressor pools every `ratio` tokens into one entry: a softmax over the window
+of the gate projection (plus a learned per-offset bias `ape`) weights the kv
+projection, then an RMS norm and RoPE at the window's first position. CSA windows
+overlap: an entry pools the `Ca` half of the previous window and the `Cb` half of
+its own. The indexer scores compressed entries per query and keeps the top-k.
+
+Projections of the layer input (`wkv`, `wgate`, the indexer's `weights_proj`) are
+computed by the attention layer, fused with its own, and passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, f32
+from .state import Batch
+
+
+class Compressor(nn.Module):
+    """Pools every `ratio` tokens into one entry (overlapping windows for CSA)."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int, dim: int, overlap: bool):
+        super().__init__()
+        self.ratio, self.dim, self.overlap = ratio, dim, overlap
+        coff = 2 if overlap else 1
+        self.wkv = Linear(cfg.hidden_size, coff * dim)
+        self.wgate = Linear(cfg.hidden_size, coff * dim)
+        self.ape = nn.Parameter(torch.zeros(ratio, coff * dim))
+        self.norm = RMSNorm(dim, cfg.rms_norm_eps)
+
+    def forward(self, kv: torch.Tensor, gate: torch.Tensor, batch: Batch, raw_kv: torch.Tensor,
+                raw_score: torch.Tensor, entries: torch.Tensor, rope: RopeTable) -> None:
+        """Write this dispatch's rows (kv, gate: the projections [T, coff*d]), then
+        (re)compute every entry a row closes."""
+        m, d = self.ratio, self.dim
+        pos, slots = batch.positions, batch.slots
+        R = raw_kv.shape[1]
+        ring = batch.cached(("ring", R), lambda: pos % R)
+        raw_kv[slots, ring] = f32(kv)
+        raw_score[slots, ring] = f32(gate) + f32(self.ape)[batch.cached(("mod", m), lambda: pos % m)]
+        close = batch.cached(("close", m), lambda: ((pos + 1) % m == 0).nonzero().squeeze(-1))
+        if close.numel() == 0:
+            return
+        dev = kv.device
+        cs, w = slots[close], pos[close] // m  # [C]
+        first = w * m
+        if self.overlap:
+            # slots: the previous window's Ca half, then this window's Cb half
+            p = torch.cat([first[:, None] - m + torch.arange(m, device=dev),
+                           first[:, None] + torch.arange(m, device=dev)], dim=1)  # [C, 2m]
+            g_kv = raw_kv[cs[:, None], p % R]  # [C, 2m, 2d]
+            g_sc = raw_score[cs[:, None], p % R]
+            sel_kv = torch.cat([g_kv[:, :m, :d], g_kv[:, m:, d:]], dim=1)  # [C, 2m, d]
+            sel_sc = torch.cat([g_sc[:, :m, :d], g_sc[:, m:, d:]], dim=1)
+            missing = (p < 0).unsqueeze(-1)  # window -1 does not exist
+            sel_kv = sel_kv.masked_fill(missing, 0.0)
+            sel_sc = sel_sc.masked_fill(missing, float("-inf"))
+        else:
+            p = first[:, None] + torch.arange(m, device=dev)  # [C, m]
+            sel_kv = raw_kv[cs[:, None], p % R]
+            sel_sc = raw_score[cs[:, None], p % R]
+        pooled = (sel_kv * sel_sc.softmax(dim=1)).sum(dim=1)  # [C, d]
+        pooled = self.norm(pooled)
+        entries[cs, w] = cast(apply_rope(pooled, rope.rotation(first), inplace=True), entries.dtype)
+
+    def pool_dense(self, kv: torch.Tensor, gate: torch.Tensor, B: int, S: int, rope: RopeTable) -> torch.Tensor:
+        """Stateless: every complete window of B sequences of S tokens -> entries [B, S//m, d].
+        kv, gate: the projections [B*S, coff*d]."""
+        m, d, dt = self.ratio, self.dim, kv.dtype
+        n = S // m
+        pos = torch.arange(S, device=kv.device)
+        kv = kv.float().view(B, S, -1)
+        score = gate.float().view(B, S, -1) + self.ape.float()[pos % m]
+        kv, score = kv[:, : n * m].reshape(B, n, m, -1), score[:, : n * m].reshape(B, n, m, -1)
+        if self.overlap:
+            prev_kv = torch.cat([torch.zeros_like(kv[:, :1, :, :d]), kv[:, :-1, :, :d]], dim=1)
+            prev_sc = torch.cat([torch.full_like(score[:, :1, :, :d], float("-inf")), score[:, :-1, :, :d]], dim=1)
+            kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, n, 2m, d]
+            score = torch.cat([prev_sc, score[..., d:]], dim=2)
+        pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, n, d]
+        cis = rope.rotation(torch.arange(n, device=kv.device) * m, max_pos=S)  # [n, r/2]
+        return cast(apply_rope(pooled, cis.expand(B, -1, -1)), dt)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of CSA layers: scores compressed entries, keeps the top-k."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
+        self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
+
+    def select(self, head_w: torch.Tensor, qr: torch.Tensor, cis: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]: 0 on the
+        top-k visible entries, -inf elsewhere. `head_w`: weights_proj of the layer input
+        [T, H]; `qr`: the normed query latent; `cis`: the queries' rotations [T, r/2]."""
+        T, n_ent = qr.shape[0], visible.shape[-1]
+        q = apply_rope(F.linear(qr, self.wq_b.weight).view(T, self.n_heads, self.head_dim), cis, inplace=True)
+        if keys.dim() == 3:  # [T, H, di] x [T, E, di] -> [T, H, E]
+            scores = torch.bmm(f32(q), f32(keys).transpose(1, 2))
+        else:
+            scores = torch.einsum("thd,ed->the", f32(q), f32(keys))
+        scores = scores.relu() * self.head_dim ** -0.5
+        w = f32(head_w) * self.n_heads ** -0.5  # [T, H]
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(self.topk, n_ent)
+        top = scores.topk(k, dim=-1).indices  # [T, k]
+        chosen = visible.gather(1, top)
+        bias = torch.full((T, n_ent + 1), float("-inf"), device=qr.device)
+        bias.scatter_(1, torch.where(chosen, top, n_ent), 0.0)
+        return bias[:, :n_ent]
