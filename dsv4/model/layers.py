@@ -45,7 +45,7 @@ class FusedLinear:
             off += n
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight).split(self.sizes, dim=-1)
+        return F.linear(x, self.weight).split_with_sizes(self.sizes, dim=-1)
 
 
 def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[Linear]) -> tuple[torch.Tensor, ...]:
@@ -65,8 +65,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = f32(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return cast(f32(self.weight) * xf, x.dtype)
+        return cast(f32(self.weight) * (xf * rms_scale(xf, self.eps)), x.dtype)
 
 
 def f32(t: torch.Tensor) -> torch.Tensor:
@@ -79,8 +78,31 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted RMS norm over the last dim (the per-head query norm, mHC input norm)."""
-    return x * cast(torch.rsqrt(f32(x).square().mean(-1, keepdim=True) + eps), x.dtype)
+    """Unweighted RMS norm over the last dim (the per-head query norm)."""
+    return x * cast(rms_scale(f32(x), eps), x.dtype)
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) over the last dim: [..., n] -> [..., 1] (x float32).
+
+    Written as eps + sum(x^2) * (1/n) in one fused op with cached constants: a Python
+    scalar operand costs a tensor wrap per call, and decode runs ~45 of these a step."""
+    dev = x.device
+    return torch.rsqrt(torch.addcmul(constant(eps, dev), x.square().sum(-1, keepdim=True),
+                                     constant(1.0 / x.shape[-1], dev)))
+
+
+_CONSTANTS: dict[tuple[float, torch.device], torch.Tensor] = {}
+
+
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A cached float32 0-dim tensor (an ordinary tensor, usable by autograd too)."""
+    key = (value, device)
+    t = _CONSTANTS.get(key)
+    if t is None:
+        with torch.inference_mode(False):
+            t = _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
+    return t
 
 
 class RopeTable(nn.Module):
@@ -226,7 +248,7 @@ def _mix(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     """fn @ rms_norm(flattened streams): [T, hc, D] -> [T, n] float32 (the norm is applied
     to the n outputs rather than the hc*D inputs: the same value, fewer operations)."""
     xf = f32(x).flatten(1)  # [T, hc*D]
-    return F.linear(xf, f32(fn)) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return F.linear(xf, f32(fn)) * rms_scale(xf, eps)
 
 
 def _collapse(weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -75,9 +75,17 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D], ids [T] -> [T, D]."""
+        """x [T, D], ids [T] -> [T, D]: the shared expert, plus each routed expert's
+        share added in increasing expert order (the same order for one token or many)."""
         weights, idx = self.gate(x, ids)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if self.shared_experts is not None:
+            out = f32(self.shared_experts(x))  # [T, D] float32, fresh: the accumulator
+        else:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if x.shape[0] == 1:  # decode of one token: no grouping needed
+            for j, e in sorted(enumerate(idx[0].tolist()), key=lambda je: je[1]):
+                out = out + f32(self.experts[e](x, weights[:, j]))
+            return cast(out, x.dtype)
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -87,8 +95,6 @@ class MoE(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 t = tok[start:start + c]
-                out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
+                out = out.index_add(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
                 start += c
-        if self.shared_experts is not None:
-            out += f32(self.shared_experts(x))
         return cast(out, x.dtype)
