@@ -9,10 +9,13 @@ from dsv4.model.model import DeepseekV4, init_random
 from tests.model.tiny import tiny_config
 
 
-@pytest.fixture(scope="session")
-def tiny_model() -> DeepseekV4:
+@pytest.fixture(scope="session", params=["plain", "fused"])
+def tiny_model(request) -> DeepseekV4:
+    """The same random model as built (what training uses) and with its projections fused
+    (what `load_model` and the engine use): every test of it runs on both."""
     torch.manual_seed(0)
-    return init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    return model.fuse_projections() if request.param == "fused" else model
 
 
 def prefill(model: DeepseekV4, state, slot: int, ids: list[int], plan: list[int]):

@@ -1,0 +1,106 @@
+"""The decode fast paths against the plain ones: fused projections, the two float64
+Sinkhorn implementations, in-place RoPE and the single-token MoE path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.model import layers
+from dsv4.model.layers import apply_rope, sinkhorn
+from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.state import Batch
+from tests.model.tiny import tiny_config
+
+
+def _pair() -> tuple[DeepseekV4, DeepseekV4]:
+    plain = init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    fused = init_random(DeepseekV4(tiny_config()), seed=0).eval().fuse_projections()
+    return plain, fused
+
+
+def test_fusion_keeps_weights_and_memory():
+    plain, fused = _pair()
+    a, b = plain.state_dict(), fused.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    attn = fused.layers[1].attn  # a CSA layer: seven projections of x in one weight
+    w = attn.fused.weight
+    mods = attn._x_linears()
+    assert len(mods) == 7 and w.shape[0] == sum(m.weight.shape[0] for m in mods)
+    for m in mods:  # views into the fused weight, not copies
+        assert m.weight.untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in fused.parameters()}
+    n_plain = sum(p.numel() * p.element_size() for p in plain.parameters())
+    assert sum(storages.values()) == n_plain  # memory did not grow
+    expert = fused.layers[0].ffn.experts[3]
+    assert expert.w1.weight.untyped_storage().data_ptr() == expert.w3.weight.untyped_storage().data_ptr()
+
+
+def test_fused_model_matches_plain():
+    plain, fused = _pair()
+    ids = torch.randint(2, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    assert torch.allclose(plain(ids), fused(ids), atol=1e-5, rtol=0)
+    outs = []
+    for m in (plain, fused):
+        st = m.new_state(1, 64, max_chunk=40)
+        with torch.inference_mode():
+            m.forward_batch(Batch.build([(0, 0, ids[0, :39].tolist())]), st)
+            _, lg = m.forward_batch(Batch.build([(0, 39, [int(ids[0, 39])])]), st)
+        outs.append(lg)
+    assert torch.allclose(outs[0], outs[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("T", [1, 2])
+def test_sinkhorn_python_and_numpy_agree_bitwise(T, monkeypatch):
+    g = torch.Generator().manual_seed(T)
+    for scale in (0.1, 1.0, 5.0):
+        c = torch.randn(T, 4, 4, generator=g) * scale
+        fast = sinkhorn(c, 20, 1e-6)
+        monkeypatch.setattr(layers, "SINKHORN_PY_MAX", 0)
+        slow = sinkhorn(c, 20, 1e-6)
+        monkeypatch.undo()
+        assert torch.equal(fast, slow)
+        # and the float32 torch path (training) computes the same projection
+        ref = sinkhorn(c.clone().requires_grad_(), 20, 1e-6).detach()
+        assert torch.allclose(fast, ref, atol=1e-6, rtol=0)
+        assert torch.allclose(fast.sum(-2), torch.ones(T, 4), atol=1e-5)  # columns normalised last
+
+
+def test_sinkhorn_row_does_not_depend_on_batch():
+    c = torch.randn(6, 4, 4, generator=torch.Generator().manual_seed(0))
+    many = sinkhorn(c, 20, 1e-6)  # numpy path
+    for i in range(6):
+        assert torch.equal(sinkhorn(c[i:i + 1], 20, 1e-6)[0], many[i])  # Python path
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_inplace_rope_equals_out_of_place(dtype, inverse):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3, 16, generator=g).to(dtype)
+    cis = torch.polar(torch.ones(5, 4), torch.rand(5, 4, generator=g) * 6)
+    ref = apply_rope(x, cis, inverse)
+    with torch.inference_mode():
+        got = apply_rope(x.clone(), cis, inverse, inplace=True)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[..., :8], x[..., :8])  # the non-rotary dims are untouched
+
+
+def test_inplace_rope_keeps_autograd():
+    x = torch.randn(2, 8, requires_grad=True)
+    cis = torch.polar(torch.ones(2, 2), torch.rand(2, 2))
+    y = apply_rope(x * 1.0, cis, inplace=True)  # tracked: falls back to out-of-place
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+def test_single_token_moe_equals_grouped():
+    _, fused = _pair()
+    moe = fused.layers[1].ffn  # a score-routed layer
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([5, 9, 77])
+    with torch.inference_mode():
+        grouped = moe(x, ids)
+        single = torch.cat([moe(x[i:i + 1], ids[i:i + 1]) for i in range(3)])
+    assert torch.allclose(grouped, single, atol=1e-6, rtol=1e-6)  # a few float32 ulps: matmuls of 1 and 3 rows
