@@ -7,6 +7,7 @@ a prefill chunk and a batch of decodes.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -172,10 +173,13 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             return torch.tensor(out, dtype=c.dtype).view(c.shape)
         a = c.double().numpy()
         a += eps
-        a /= a.sum(-2, keepdims=True) + eps
-        for _ in range(iters - 1):
-            a /= a.sum(-1, keepdims=True) + eps
+        if c.shape[0] >= SINKHORN_SLICED_MIN and c.shape[-1] < 8:
+            _sinkhorn_sliced(a, iters, eps)
+        else:
             a /= a.sum(-2, keepdims=True) + eps
+            for _ in range(iters - 1):
+                a /= a.sum(-1, keepdims=True) + eps
+                a /= a.sum(-2, keepdims=True) + eps
         return torch.from_numpy(a).to(c.dtype)
     c = c + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
@@ -186,6 +190,28 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 SINKHORN_PY_MAX = 2  # up to this many matrices, unrolled Python beats numpy's per-call overhead
+SINKHORN_SLICED_MIN = 64  # from this many (prefill chunks), sums over slices beat numpy's small-axis reduce
+
+
+def _sinkhorn_sliced(a: np.ndarray, iters: int, eps: float) -> None:
+    """`sinkhorn`'s iterations in place on a float64 numpy array [T, hc, hc], summing
+    slice by slice, left to right: for hc < 8 numpy's `sum` over such a short axis adds in
+    the same order, so this is the same arithmetic, about 1.5x faster on many matrices."""
+    hc = a.shape[-1]
+    at = a.transpose(0, 2, 1)  # at[t, j, i] = a[t, i, j]
+
+    def normalise(m, out_shape) -> None:  # divide by the sums over m's axis 1
+        s = m[:, 0] + m[:, 1] if hc > 1 else m[:, 0].copy()
+        for i in range(2, hc):
+            s += m[:, i]
+        s += eps
+        np.divide(a, s.reshape(out_shape), out=a)
+
+    T = a.shape[0]
+    normalise(a, (T, 1, hc))  # columns
+    for _ in range(iters - 1):
+        normalise(at, (T, hc, 1))  # rows
+        normalise(a, (T, 1, hc))
 
 
 def _sinkhorn4(m: list[list[float]], iters: int, eps: float) -> list[list[float]]:

@@ -95,6 +95,6 @@ class MoE(nn.Module):
         for e, c in enumerate(counts):
             if c:
                 t = tok[start:start + c]
-                out = out.index_add(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
+                out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
                 start += c
         return cast(out, x.dtype)
