@@ -32,11 +32,27 @@ def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> torch.Te
     return batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))
 
 
-def window_index(pos: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring slots of positions pos-W+1..pos [T, W] and their bias (-inf before position 0)."""
+def window_index(pos: torch.Tensor, slots: torch.Tensor, W: int, ring: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each query's window keys live: slots [T, 1] and ring rows [T, W] of positions
+    pos-W+1..pos, and their bias [T, W] (-inf before position 0)."""
     kpos = pos[:, None] - torch.arange(W - 1, -1, -1, device=pos.device)
     bias = torch.zeros(kpos.shape, device=pos.device).masked_fill(kpos < 0, float("-inf"))
-    return kpos % ring, bias
+    return slots[:, None], kpos % ring, bias
+
+
+def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor
+               ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+    """Compressed entries visible to each query (w < (pos+1) // ratio): their count E (the
+    maximum over queries), the mask [T, E], and the window bias followed by 0 / -inf over
+    them [T, W+E] (all of a query's bias in HCA layers, and in CSA layers while E <= top-k)."""
+    limit = (pos + 1) // ratio
+    n = int(limit.max())
+    if n == 0:
+        return 0, None, None
+    visible = torch.arange(n, device=pos.device)[None, :] < limit[:, None]  # [T, E]
+    ebias = torch.zeros(visible.shape, device=pos.device).masked_fill(~visible, float("-inf"))
+    return n, visible, torch.cat([window_bias, ebias], dim=1)
 
 
 ROW_MIN = 8  # rows with at least this many tokens attend against keys shared by the row
@@ -54,12 +70,6 @@ def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], torch.Ten
         off += n
     idx = torch.tensor(short, dtype=torch.long, device=batch.positions.device) if short else None
     return long_rows, idx
-
-
-def entry_limit(pos: torch.Tensor, ratio: int) -> tuple[torch.Tensor, int]:
-    """Entries visible to each query [T] (w < (pos+1) // ratio), and their maximum."""
-    limit = (pos + 1) // ratio
-    return limit, int(limit.max())
 
 
 class Attention(nn.Module):
@@ -150,9 +160,9 @@ class Attention(nn.Module):
         if self.kind != WINDOW and (start + n) // self.ratio > 0:
             n_ent = (start + n) // self.ratio
             visible = torch.arange(n_ent, device=dev)[None, :] < ((qpos + 1) // self.ratio)[:, None]
-            if self.kind == CSA:
+            if self.kind == CSA and n_ent > self.indexer.topk:
                 cbias = self.indexer.select(head_w, qr, cis, ls.idx_entries[slot, :n_ent], visible)
-            else:
+            else:  # HCA, or CSA while the top-k keeps every visible entry
                 cbias = torch.zeros(n, n_ent, device=dev).masked_fill(~visible, float("-inf"))
             keys = torch.cat([keys, ls.entries[slot, :n_ent]])  # [L+E, hd]
             bias = torch.cat([bias, cbias], dim=1)
@@ -163,20 +173,19 @@ class Attention(nn.Module):
 
     def _attend_packed(self, head_w, qr, q, cis, pos, slots, ls: LayerState, batch: Batch, tag: str) -> torch.Tensor:
         """Queries [T] of different rows, each gathering its own window and entries -> o [T, H, hd]."""
-        T, hd, W = q.shape[0], self.head_dim, self.cfg.sliding_window
-        Rw = ls.win.shape[1]
-        ring_idx, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, W, Rw))
-        keys = ls.win[slots[:, None], ring_idx]  # [T, W, hd]
-        if self.kind != WINDOW:
-            limit, n_ent = batch.cached((tag, "limit", self.ratio), lambda: entry_limit(pos, self.ratio))
+        hd, W, Rw = self.head_dim, self.cfg.sliding_window, ls.win.shape[1]
+        slot_col, ring_idx, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, slots, W, Rw))
+        keys = ls.win[slot_col, ring_idx]  # [T, W, hd]
+        if self.kind != WINDOW:  # masks shared by every layer of this ratio in the dispatch
+            n_ent, visible, full_bias = batch.cached((tag, "entries", self.ratio),
+                                                     lambda: entry_bias(pos, self.ratio, bias))
             if n_ent > 0:
-                visible = torch.arange(n_ent, device=q.device)[None, :] < limit[:, None]  # [T, E]
-                if self.kind == CSA:
+                if self.kind == CSA and n_ent > self.indexer.topk:
                     cbias = self.indexer.select(head_w, qr, cis, ls.idx_entries[slots, :n_ent], visible)
-                else:
-                    cbias = torch.zeros(T, n_ent, device=q.device).masked_fill(~visible, float("-inf"))
+                    bias = torch.cat([bias, cbias], dim=1)
+                else:  # HCA, or CSA while the top-k keeps every visible entry
+                    bias = full_bias
                 keys = torch.cat([keys, ls.entries[slots, :n_ent]], dim=1)  # [T, W+E, hd]
-                bias = torch.cat([bias, cbias], dim=1)
         scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * hd ** -0.5  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         return cast(torch.bmm(cast(probs, keys.dtype), keys), q.dtype)  # [T, H, hd]
