@@ -22,7 +22,7 @@ from torch import nn
 from ..config import CSA, WINDOW, ModelConfig
 from .compressor import Compressor, Indexer
 from .layers import FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, f32, project, rms_unweighted
-from .state import Batch, LayerState
+from .state import Batch, LayerState, flat_rows
 
 
 def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> torch.Tensor:
@@ -32,13 +32,12 @@ def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> torch.Te
     return batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))
 
 
-def window_index(pos: torch.Tensor, slots: torch.Tensor, W: int, ring: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Where each query's window keys live: slots [T, 1] and ring rows [T, W] of positions
-    pos-W+1..pos, and their bias [T, W] (-inf before position 0)."""
+def window_index(pos: torch.Tensor, slots: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each query's window keys live: rows [T * W] of the flattened ring (`flat_rows`)
+    holding positions pos-W+1..pos, and their bias [T, W] (-inf before position 0)."""
     kpos = pos[:, None] - torch.arange(W - 1, -1, -1, device=pos.device)
     bias = torch.zeros(kpos.shape, device=pos.device).masked_fill(kpos < 0, float("-inf"))
-    return slots[:, None], kpos % ring, bias
+    return (slots[:, None] * ring + kpos % ring).flatten(), bias
 
 
 def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor
@@ -126,8 +125,7 @@ class Attention(nn.Module):
             return self._out(self._dense(x, qr, q, kv, xp, batch, rope), cis, batch)
 
         # writes first: window ring, compressor rows and closed entries (and the indexer's)
-        ring = batch.cached(("ring", ls.win.shape[1]), lambda: pos % ls.win.shape[1])
-        ls.win[slots, ring] = cast(kv, ls.win.dtype)
+        flat_rows(ls.win).index_copy_(0, batch.ring_rows(ls.win.shape[1]), cast(kv, ls.win.dtype))
         if self.kind != WINDOW:
             self.compressor(xp[0], xp[1], batch, ls.raw_kv, ls.raw_score, ls.entries, rope)
         if self.kind == CSA:
@@ -173,19 +171,20 @@ class Attention(nn.Module):
 
     def _attend_packed(self, head_w, qr, q, cis, pos, slots, ls: LayerState, batch: Batch, tag: str) -> torch.Tensor:
         """Queries [T] of different rows, each gathering its own window and entries -> o [T, H, hd]."""
-        hd, W, Rw = self.head_dim, self.cfg.sliding_window, ls.win.shape[1]
-        slot_col, ring_idx, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, slots, W, Rw))
-        keys = ls.win[slot_col, ring_idx]  # [T, W, hd]
+        T, hd, W, Rw = q.shape[0], self.head_dim, self.cfg.sliding_window, ls.win.shape[1]
+        rows, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, slots, W, Rw))
+        keys = flat_rows(ls.win).index_select(0, rows).view(T, W, hd)  # [T, W, hd]
         if self.kind != WINDOW:  # masks shared by every layer of this ratio in the dispatch
             n_ent, visible, full_bias = batch.cached((tag, "entries", self.ratio),
                                                      lambda: entry_bias(pos, self.ratio, bias))
             if n_ent > 0:
                 if self.kind == CSA and n_ent > self.indexer.topk:
-                    cbias = self.indexer.select(head_w, qr, cis, ls.idx_entries[slots, :n_ent], visible)
+                    ikeys = ls.idx_entries[:, :n_ent].index_select(0, slots)  # [T, E, di]
+                    cbias = self.indexer.select(head_w, qr, cis, ikeys, visible)
                     bias = torch.cat([bias, cbias], dim=1)
                 else:  # HCA, or CSA while the top-k keeps every visible entry
                     bias = full_bias
-                keys = torch.cat([keys, ls.entries[slots, :n_ent]], dim=1)  # [T, W+E, hd]
+                keys = torch.cat([keys, ls.entries[:, :n_ent].index_select(0, slots)], dim=1)  # [T, W+E, hd]
         scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * hd ** -0.5  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         return cast(torch.bmm(cast(probs, keys.dtype), keys), q.dtype)  # [T, H, hd]

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, f32
-from .state import Batch
+from .state import Batch, flat_rows
 
 
 class Compressor(nn.Module):
@@ -40,9 +40,10 @@ class Compressor(nn.Module):
         m, d = self.ratio, self.dim
         pos, slots = batch.positions, batch.slots
         R = raw_kv.shape[1]
-        ring = batch.cached(("ring", R), lambda: pos % R)
-        raw_kv[slots, ring] = f32(kv)
-        raw_score[slots, ring] = f32(gate) + f32(self.ape)[batch.cached(("mod", m), lambda: pos % m)]
+        rows = batch.ring_rows(R)
+        flat_rows(raw_kv).index_copy_(0, rows, f32(kv))
+        ape = f32(self.ape).index_select(0, batch.cached(("mod", m), lambda: pos % m))
+        flat_rows(raw_score).index_copy_(0, rows, f32(gate) + ape)
         close = batch.cached(("close", m), lambda: ((pos + 1) % m == 0).nonzero().squeeze(-1))
         if close.numel() == 0:
             return

@@ -52,6 +52,11 @@ class Batch:
             self.memo[key] = fn()
         return self.memo[key]
 
+    def ring_rows(self, size: int) -> torch.Tensor:
+        """Each token's row in a ring state flattened to [slots * size, ...]:
+        slot * size + position % size [T] (once per dispatch and ring size)."""
+        return self.cached(("ring_rows", size), lambda: self.slots * size + self.positions % size)
+
     @classmethod
     def whole(cls, input_ids: torch.Tensor) -> "Batch":
         """B whole sequences [B, S] from position 0, for the stateless (dense) path."""
@@ -78,6 +83,12 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def flat_rows(t: torch.Tensor) -> torch.Tensor:
+    """A slotted state tensor [slots, n, d] as rows [slots * n, d] (a view), for
+    `index_select` / `index_copy_`: one flat index is much cheaper than a (slot, row) pair."""
+    return t.view(-1, t.shape[-1])
 
 
 class LayerState:
