@@ -20,12 +20,11 @@ dequantised):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
-from .layers import HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head
+from .layers import HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
 from .moe import Expert, MoE
 from .state import Batch, LayerState, ModelState
 
@@ -117,7 +116,7 @@ class DeepseekV4(nn.Module):
     def _logits(self, h: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         """[N, hc, D] streams -> [N, vocab] float32 logits."""
         y = norm(hc_head(h, fn, base, scale, self.cfg))
-        return f32(F.linear(y, self.head.weight))
+        return f32(linear(y, self.head.weight))
 
     # ---------------------------------------------------------------- stateful
     def forward_batch(self, batch: Batch, state: ModelState | None,

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import FusedLinear, Linear, cast, f32, project
+from .layers import FusedLinear, Linear, cast, f32, linear, project
 
 
 class Expert(nn.Module):
@@ -37,7 +37,7 @@ class Expert(nn.Module):
         h = F.silu(g) * u
         if weight is not None:
             h = h * weight.unsqueeze(-1)
-        return F.linear(cast(h, x.dtype), self.w2.weight)
+        return linear(cast(h, x.dtype), self.w2.weight)
 
 
 class Gate(nn.Module):
@@ -54,7 +54,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D], ids [T] -> (weights [T, k] float32, expert indices [T, k])."""
-        scores = F.softplus(F.linear(f32(x), f32(self.weight))).sqrt()  # [T, E]
+        scores = F.softplus(linear(f32(x), f32(self.weight))).sqrt()  # [T, E]
         if self.hash:
             idx = self.tid2eid[ids]
         else:
