@@ -20,7 +20,8 @@ from torch import nn
 
 from ..config import CSA, WINDOW, ModelConfig
 from .compressor import Compressor, Indexer
-from .layers import FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, f32, linear, project, rms_unweighted
+from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, linear, project,
+                     rms_unweighted)
 from .state import Batch, LayerState, flat_rows
 
 
@@ -184,7 +185,7 @@ class Attention(nn.Module):
                 else:  # HCA, or CSA while the top-k keeps every visible entry
                     bias = full_bias
                 keys = torch.cat([keys, ls.entries[:, :n_ent].index_select(0, slots)], dim=1)  # [T, W+E, hd]
-        scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * hd ** -0.5  # [T, H, K]
+        scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * constant(hd ** -0.5, q.device)  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         return cast(torch.bmm(cast(probs, keys.dtype), keys), q.dtype)  # [T, H, hd]
 

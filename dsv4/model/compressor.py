@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, f32, linear
+from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, linear
 from .state import Batch, flat_rows
 
 
@@ -108,8 +108,9 @@ class Indexer(nn.Module):
             scores = torch.bmm(f32(q), f32(keys).transpose(1, 2))
         else:
             scores = torch.einsum("thd,ed->the", f32(q), f32(keys))
-        scores = scores.relu() * self.head_dim ** -0.5
-        w = f32(head_w) * self.n_heads ** -0.5  # [T, H]
+        dev = qr.device
+        scores = scores.relu() * constant(self.head_dim ** -0.5, dev)
+        w = f32(head_w) * constant(self.n_heads ** -0.5, dev)  # [T, H]
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, n_ent)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import FusedLinear, Linear, cast, f32, linear, project
+from .layers import FusedLinear, Linear, cast, constant, f32, linear, project
 
 
 class Expert(nn.Module):
@@ -56,12 +56,13 @@ class Gate(nn.Module):
         """x [T, D], ids [T] -> (weights [T, k] float32, expert indices [T, k])."""
         scores = F.softplus(linear(f32(x), f32(self.weight))).sqrt()  # [T, E]
         if self.hash:
-            idx = self.tid2eid[ids]
+            idx = self.tid2eid.index_select(0, ids)
         else:
             idx = torch.topk(scores + f32(self.bias), self.k, dim=-1).indices
         w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.scale, idx
+        dev = x.device
+        w = w / (w.sum(dim=-1, keepdim=True) + constant(1e-20, dev))
+        return w * constant(self.scale, dev), idx
 
 
 class MoE(nn.Module):
