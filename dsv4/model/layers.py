@@ -177,7 +177,8 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     c = torch.softmax(c, dim=-1)
     if c.device.type == "cpu" and not c.requires_grad:
         if c.shape[-1] == 4 and c.shape[0] <= SINKHORN_PY_MAX:
-            out = [_sinkhorn4(m, iters, eps) for m in c.tolist()]
+            flat = c.flatten().tolist()
+            out = [x for i in range(0, len(flat), 16) for x in _sinkhorn4(flat[i:i + 16], iters, eps)]
             return torch.tensor(out, dtype=c.dtype).view(c.shape)
         a = c.double().numpy()
         a += eps
@@ -222,9 +223,9 @@ def _sinkhorn_sliced(a: np.ndarray, iters: int, eps: float) -> None:
         normalise(a, (T, 1, hc))
 
 
-def _sinkhorn4(m: list[list[float]], iters: int, eps: float) -> list[list[float]]:
-    """`sinkhorn`'s iterations on one 4x4 matrix (after the softmax) in Python floats."""
-    (a, b, c, d), (e, f, g, h), (i, j, k, l), (m_, n, o, p) = ([x + eps for x in r] for r in m)  # noqa: E741
+def _sinkhorn4(m: list[float], iters: int, eps: float) -> tuple[float, ...]:
+    """`sinkhorn`'s iterations on one 4x4 matrix (after the softmax, row-major) in Python floats."""
+    a, b, c, d, e, f, g, h, i, j, k, l, m_, n, o, p = (x + eps for x in m)  # noqa: E741
     for it in range(iters):
         if it:  # rows
             s = a + b + c + d + eps
@@ -243,7 +244,7 @@ def _sinkhorn4(m: list[list[float]], iters: int, eps: float) -> list[list[float]
         c, g, k, o = c / s, g / s, k / s, o / s
         s = d + h + l + p + eps
         d, h, l, p = d / s, h / s, l / s, p / s
-    return [[a, b, c, d], [e, f, g, h], [i, j, k, l], [m_, n, o, p]]
+    return a, b, c, d, e, f, g, h, i, j, k, l, m_, n, o, p
 
 
 class HyperConnection(nn.Module):
