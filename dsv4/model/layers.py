@@ -37,9 +37,12 @@ class FusedLinear:
 
     Concatenates the weights into one [sum of outputs, in] tensor and makes each
     module's parameter a view of its rows, so memory does not grow, `state_dict()` is
-    unchanged and in-place updates of the parameters stay visible. `fused(x)` returns
-    the outputs in module order: a tuple of [..., out_i] views. Build it after the
-    model is on its device; moving the model afterwards leaves it behind.
+    unchanged and in-place updates of the parameters (`load_state_dict`, an optimizer
+    step) stay visible. `fused(x)` returns the outputs in module order: a tuple of
+    [..., out_i] views. `project` uses it only while it is `current`: once a parameter
+    is replaced rather than updated in place (`.to()`, `copy.deepcopy`,
+    `load_state_dict(assign=True)`), or while autograd needs the parameters' gradients,
+    the linears run one by one again, correct but unfused.
     """
 
     def __init__(self, linears: list[Linear]):
@@ -50,14 +53,21 @@ class FusedLinear:
         for m, n in zip(linears, self.sizes):
             m.weight.data = self.weight[off:off + n]
             off += n
+        self._ends = (self.weight.data_ptr(), self.weight[off - self.sizes[-1]:].data_ptr())
+
+    def current(self, linears: list[Linear]) -> bool:
+        """Whether the first and last parameters still live in the fused weight."""
+        return (linears[0].weight.data_ptr(), linears[-1].weight.data_ptr()) == self._ends
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return linear(x, self.weight).split_with_sizes(self.sizes, dim=-1)
 
 
 def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[Linear]) -> tuple[torch.Tensor, ...]:
-    """The outputs of `linears` on x: one matmul when they are fused, else one each."""
-    if fused is not None:
+    """The outputs of `linears` on x: one matmul when they are fused (and the fusion is
+    current, and no gradient is wanted), else one each."""
+    if (fused is not None and fused.current(linears)
+            and not (torch.is_grad_enabled() and linears[0].weight.requires_grad)):
         return fused(x)
     return tuple(linear(x, m.weight) for m in linears)
 
@@ -226,7 +236,7 @@ def _sinkhorn_sliced(a: np.ndarray, iters: int, eps: float) -> None:
 def _sinkhorn4(m: list[float], iters: int, eps: float) -> tuple[float, ...]:
     """`sinkhorn`'s iterations on one 4x4 matrix (after the softmax, row-major) in Python floats."""
     a, b, c, d, e, f, g, h, i, j, k, l, m_, n, o, p = (x + eps for x in m)  # noqa: E741
-    for it in range(iters):
+    for it in range(max(iters, 1)):  # like the other paths, the columns are normalised at least once
         if it:  # rows
             s = a + b + c + d + eps
             a, b, c, d = a / s, b / s, c / s, d / s
