@@ -83,7 +83,7 @@ def drive(llm: LLM, prompts: list[list[int]], params: SamplingParams, concurrenc
             "mean_acceptance_length": 1 + accepted / steps if steps else None}
 
 
-def hf_model(model_dir: Path, device: str):
+def hf_model(model_dir: Path, device: str, dtype: torch.dtype):
     import transformers
 
     from dsv4.model.hf_compat import hf_config_dict, official_to_hf
@@ -93,13 +93,19 @@ def hf_model(model_dir: Path, device: str):
     cfg = m.cfg
     hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**hf_config_dict(cfg)))
     hf.load_state_dict(official_to_hf(m.state_dict(), cfg), strict=True)
-    return hf.eval().to(device)
+    return hf.eval().to(device=device, dtype=dtype)
 
 
-def decode_vs_transformers(model_dir: Path, prompt: list[int], new: int, device: str, reps: int) -> dict:
-    hf = hf_model(model_dir, device)
+def sync(device: str) -> None:
+    """Wait for queued device work, so that wall-clock times are whole."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def decode_vs_transformers(model_dir: Path, prompt: list[int], new: int, device: str, dtype: str, reps: int) -> dict:
+    hf = hf_model(model_dir, device, getattr(torch, dtype))
     ids = torch.tensor([prompt], device=device)
-    llm = LLM(model_dir, num_speculative_tokens=0, max_num_seqs=1, device=device, max_model_len=1024)
+    llm = LLM(model_dir, num_speculative_tokens=0, max_num_seqs=1, device=device, dtype=dtype, max_model_len=1024)
     p = SamplingParams(max_tokens=new, ignore_eos=True)
     res: dict = {}
     best = {"dsv4": 1e9, "hf": 1e9, "dsv4_ttft": 1e9, "hf_fwd": 1e9}
@@ -109,11 +115,14 @@ def decode_vs_transformers(model_dir: Path, prompt: list[int], new: int, device:
         best["dsv4"] = min(best["dsv4"], time.monotonic() - t)
         best["dsv4_ttft"] = min(best["dsv4_ttft"], c.metrics["timings"]["ttft_s"])
         with torch.no_grad():
+            sync(device)
             t = time.monotonic()
             out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+            sync(device)
             best["hf"] = min(best["hf"], time.monotonic() - t)
             t = time.monotonic()
             hf(ids, use_cache=False)
+            sync(device)
             best["hf_fwd"] = min(best["hf_fwd"], time.monotonic() - t)
         res["same_tokens"] = out[0, len(prompt):].tolist() == c.token_ids
     res.update({"dsv4_tok_s": new / best["dsv4"], "hf_tok_s": new / best["hf"],
@@ -142,14 +151,16 @@ def active_weight_bytes(cfg: ModelConfig, elem: int) -> int:
     return n * elem
 
 
-def copy_bandwidth(nbytes: int = 256 << 20) -> float:
-    a = torch.empty(nbytes // 4)
+def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
+    a = torch.empty(nbytes // 4, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
     best = 1e9
     for _ in range(5):
+        sync(device)
         t = time.monotonic()
         b.copy_(a)
+        sync(device)
         best = min(best, time.monotonic() - t)
     return 2 * nbytes / best  # read + write
 
@@ -159,42 +170,46 @@ def main() -> None:
     ap.add_argument("--model", type=Path, default=dsv4.DEFAULT_MODEL)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/shakespeare")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, else bfloat16)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and repetitions")
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
+    dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     tok = Tokenizer.from_dir(a.model)
     cfg = ModelConfig.from_dir(a.model)
     reps, n_prompts, gen = (1, 8, 32) if a.quick else (3, 16, 64)
     prompts = heldout_prompts(tok, a.data, n_prompts, 256)
-    R: dict = {"machine": machine(), "model": str(a.model), "device": a.device}
+    R: dict = {"machine": machine(), "model": str(a.model), "device": a.device, "dtype": dtype}
     print("decode and TTFT versus transformers ...", flush=True)
-    R["vs_transformers"] = decode_vs_transformers(a.model, prompts[0], 128, a.device, reps)
+    R["vs_transformers"] = decode_vs_transformers(a.model, prompts[0], 128, a.device, dtype, reps)
     print("MTP arms and concurrency ...", flush=True)
     p = SamplingParams(max_tokens=gen, ignore_eos=True)
     R["mtp"] = {}
     for K in (0, 1, 2, 3):
-        llm = LLM(a.model, num_speculative_tokens=K, max_num_seqs=8, device=a.device, max_model_len=1024)
+        llm = LLM(a.model, num_speculative_tokens=K, max_num_seqs=8, device=a.device, dtype=dtype, max_model_len=1024)
         drive(llm, prompts[:2], p, 2)  # warmup
         for c in (1, 2, 4, 8) if K in (0, 1) else (1, 8):
             R["mtp"][f"K{K}_c{c}"] = drive(llm, prompts, p, c)
             print(f"  K={K} c={c}: {R['mtp'][f'K{K}_c{c}']['output_tok_s']:.1f} tok/s", flush=True)
     budget = 4 * cfg.prefill_limit + 8  # four prefill chunks (of different requests) per step
-    llm = LLM(a.model, num_speculative_tokens=0, max_num_seqs=8, device=a.device, max_model_len=1024,
+    llm = LLM(a.model, num_speculative_tokens=0, max_num_seqs=8, device=a.device, dtype=dtype, max_model_len=1024,
               max_num_batched_tokens=budget)
     drive(llm, prompts[:2], p, 2)
     R["budget"] = {"max_num_batched_tokens": budget, "c8": drive(llm, prompts, p, 8)}
     print(f"  K=0 c=8 budget {budget}: {R['budget']['c8']['output_tok_s']:.1f} tok/s", flush=True)
     k0 = R["mtp"]["K0_c1"]
-    bw = copy_bandwidth()
-    wbytes = active_weight_bytes(cfg, 4 if a.device == "cpu" else 2)
+    bw = copy_bandwidth(a.device)
+    wbytes = active_weight_bytes(cfg, 4 if dtype == "float32" else 2)
     R["limit"] = {"active_weight_bytes": wbytes, "copy_bandwidth_GB_s": bw / 1e9,
                   "limit_ms_per_token": 1000 * wbytes / bw, "measured_tpot_ms": k0["tpot_ms"],
                   "fraction_of_limit": (wbytes / bw) / (k0["tpot_ms"] / 1000)}
-    llm = LLM(a.model, num_speculative_tokens=1, max_num_seqs=8, device=a.device, max_model_len=1024)
+    llm = LLM(a.model, num_speculative_tokens=1, max_num_seqs=8, device=a.device, dtype=dtype, max_model_len=1024)
     R["memory"] = {"peak_rss_MiB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                   "peak_device_MiB": (torch.cuda.max_memory_allocated() / 2**20
+                                       if a.device.startswith("cuda") else None),
                    "state_bytes_per_request": llm.engine.runner.state.nbytes_per_slot(),
-                   "state_bytes_per_request_logical": logical_state_bytes(cfg, 1024, 4)}
+                   "state_bytes_per_request_logical": logical_state_bytes(cfg, 1024, 4 if dtype == "float32" else 2)}
     (a.out / "benchmarks.json").write_text(json.dumps(R, indent=2) + "\n")
     md = report(R)
     (a.out / "benchmarks.md").write_text(md)
@@ -220,7 +235,8 @@ def logical_state_bytes(cfg: ModelConfig, max_len: int, elem: int) -> int:
 def report(R: dict) -> str:
     m, v, L, M = R["machine"], R["vs_transformers"], R["limit"], R["memory"]
     f = lambda x, d=2: "-" if x is None else f"{x:.{d}f}"  # noqa: E731
-    lines = [f"Machine: {m['cpu']} ({m['cores']} threads), torch {m['torch']}, device {R['device']}, "
+    lines = [f"Machine: {m['cpu']} ({m['cores']} threads){', ' + m['gpu'] if 'gpu' in m else ''}, torch {m['torch']}, "
+             f"device {R['device']}, {R.get('dtype', 'float32')}, "
              f"commit {m['commit']}, {m['date']}", "",
              "| decode, batch 1, 256-token prompt, 128 new tokens | tok/s |", "|---|---|",
              f"| dsv4 (K = 0) | {f(v['dsv4_tok_s'], 1)} |", f"| transformers generate | {f(v['hf_tok_s'], 1)} |",
@@ -250,6 +266,7 @@ def report(R: dict) -> str:
               f"| measured TPOT (K = 0, c = 1) | {f(L['measured_tpot_ms'], 2)} ms |",
               f"| fraction of the limit reached | {100 * L['fraction_of_limit']:.1f}% |", "",
               "| memory | |", "|---|---|", f"| peak resident | {f(M['peak_rss_MiB'], 0)} MiB |",
+              *([f"| peak device memory | {f(M['peak_device_MiB'], 0)} MiB |"] if M.get("peak_device_MiB") else []),
               f"| state per request, allocated (max_model_len 1024) | {M['state_bytes_per_request'] / 2**20:.2f} MiB |",
               f"| state per request, from the config | {M['state_bytes_per_request_logical'] / 2**20:.2f} MiB |", ""]
     return "\n".join(lines)

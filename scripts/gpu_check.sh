@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The prepared run for a lent NVIDIA machine (one call, a few minutes): the CUDA exactness
+# tests, then the benchmark suite on CUDA, logs and tables into OUT.
+#
+#   bash scripts/gpu_check.sh OUT [DATA]
+#
+# That machine has its own python3 with torch and most of dsv4's needs but nothing can be
+# fetched there: carry the missing wheels (pyzmq; transformers >= 5.23 for the comparison)
+# in .whl/ (see the device tool's README), and a copy of the held-out texts as DATA
+# (benchmarks/run.py --data: a folder with heldout/*.txt).
+set -uo pipefail
+OUT=${1:?usage: gpu_check.sh OUT [DATA]}
+DATA=${2:-../shared/data/shakespeare}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+python3 benchmarks/run.py --device cuda --data "$DATA" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
