@@ -1,8 +1,13 @@
-"""Small building blocks of DeepSeek V4: RMS norms, interleaved RoPE tables, mHC.
+"""Small building blocks of DeepSeek V4: linears (plain and fused), RMS norms,
+interleaved RoPE tables, mHC with its Sinkhorn projection.
 
 Everything here is stateless math on packed token rows: a leading token axis T
 (all rows of a dispatch concatenated), so the same code serves one whole prompt,
-a prefill chunk and a batch of decodes.
+a prefill chunk and a batch of decodes. A decode step of a small model is bound by
+per-op overhead, not arithmetic, so the hot helpers trade generality for fewer
+dispatches (fused linears, cached constants, in-place RoPE, Sinkhorn in Python
+floats for a single token), each shown equal to the plain formulation by
+tests/model/test_fast_paths.py.
 """
 
 from __future__ import annotations
