@@ -138,14 +138,13 @@ class EngineConfig:
         if mml > max_pos:
             raise EngineConfigError(f"--max-model-len {mml} exceeds the model's max_position_embeddings "
                                     f"{max_pos}; lower --max-model-len to {max_pos}")
-        if self.single_dispatch and mml > self.single_dispatch_limit and self.enable_chunked_prefill:
-            raise EngineConfigError(
-                f"speculative decoding needs each prompt in one dispatch on this model (it cannot carry the MTP "
-                f"state across chunks), but max_model_len {mml} exceeds the single-dispatch limit "
-                f"{self.single_dispatch_limit}; use --num-speculative-tokens 0 or lower --max-model-len to "
-                f"{self.single_dispatch_limit}")
-        if self.single_dispatch and mml > self.single_dispatch_limit:
-            lim = self.single_dispatch_limit
+        lim = self.single_dispatch_limit
+        if self.single_dispatch and mml > lim:
+            if self.enable_chunked_prefill:
+                raise EngineConfigError(
+                    f"speculative decoding needs each prompt in one dispatch on this model (it cannot carry the "
+                    f"MTP state across chunks), but max_model_len {mml} exceeds the single-dispatch limit {lim}; "
+                    f"use --num-speculative-tokens 0 or lower --max-model-len to {lim}")
             if lim < plimit:
                 raise EngineConfigError(
                     f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill "
@@ -172,10 +171,8 @@ class EngineConfig:
     @property
     def effective_chunk_size(self) -> int:
         """The most prompt tokens of one request per step (before this step's budget is spent)."""
-        if self.single_dispatch:
-            return self.single_dispatch_limit
-        limit = min(self.prefill_limit, self.max_num_batched_tokens)
-        if self.long_prefill_token_threshold > 0:
+        limit = self.single_dispatch_limit
+        if not self.single_dispatch and self.long_prefill_token_threshold > 0:
             limit = min(limit, self.long_prefill_token_threshold)
         return limit
 

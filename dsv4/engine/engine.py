@@ -21,7 +21,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
-from .request import FINISH_STOP, Request, RequestError
+from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -115,8 +115,6 @@ class Engine:
         else:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._tracks:
-            raise RequestError(f"request id {rid!r} is already in use")
         req = Request(rid, ids, params)
         self.scheduler.add(req)  # validates; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
@@ -153,13 +151,10 @@ class Engine:
             if res is not None:
                 outs.append(self._emit(req, toks, res.sources, now))
         for req, n in plan.decodes:
-            res = results[req.slot] if req.slot is not None else None
-            if res is None:
-                continue
+            res = results[req.slot]
             toks = self.scheduler.on_decode_done(req, res.tokens)
-            track = self._tracks.get(req.request_id)
-            if track is not None and res.num_drafted:  # drafts cut at EOS/limits do not count
-                track.metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
+            if res.num_drafted:  # drafts cut at EOS/limits do not count
+                self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
             outs.append(self._emit(req, toks, res.sources, now))
         return [o for o in outs if o is not None]
 
@@ -170,15 +165,14 @@ class Engine:
         text = []
         if track.detok is not None:  # token by token, so a stop string cuts the tokens too
             for i, t in enumerate(toks):
-                piece = "" if self._is_eos(req, t) else track.detok.push(t)
+                piece = "" if self.scheduler.is_stop_token(req, t) else track.detok.push(t)
                 if req.is_finished and i == len(toks) - 1:
                     piece += track.detok.flush()
                 emit, stopped = track.stop.feed(piece)
                 text.append(emit)
                 if stopped:
+                    self.scheduler.stop_at(req, len(req.output_ids) - len(toks) + i + 1)
                     toks = toks[: i + 1]
-                    self.scheduler.finish(req, FINISH_STOP)  # no-op if it already finished
-                    req.finish_reason = FINISH_STOP
                     break
             else:
                 if req.is_finished:
@@ -192,10 +186,6 @@ class Engine:
             out.metrics = track.metrics.to_dict()
             del self._tracks[req.request_id]
         return out
-
-    def _is_eos(self, req: Request, t: int) -> bool:
-        p = req.params
-        return (t == self.scheduler.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:

@@ -65,7 +65,8 @@ class RequestMetrics(_Acceptance):
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
     first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one entry per output token
+    completion_tokens: int = 0
+    last_token_time: float | None = None
     finish_time: float | None = None
     drafted: int = 0
     accepted: int = 0
@@ -81,7 +82,8 @@ class RequestMetrics(_Acceptance):
         now = time.monotonic() if now is None else now
         if self.first_token_time is None:
             self.first_token_time = now
-        self.token_times.extend([now] * n)
+        self.completion_tokens += n
+        self.last_token_time = now
 
     def on_verify(self, num_drafted: int, num_accepted: int) -> None:
         """One decode step verified `num_drafted` drafts and accepted the first `num_accepted`."""
@@ -103,16 +105,17 @@ class RequestMetrics(_Acceptance):
 
     # ------------------------------------------------------------------ derived
     @property
-    def completion_tokens(self) -> int:
-        return len(self.token_times)
-
-    @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival
 
     @property
+    def end_time(self) -> float | None:
+        """When the request finished, else when its last token came (None before any)."""
+        return self.finish_time if self.finish_time is not None else self.last_token_time
+
+    @property
     def e2e(self) -> float | None:
-        end = self.finish_time if self.finish_time is not None else (self.token_times[-1] if self.token_times else None)
+        end = self.end_time
         return None if end is None else end - self.arrival
 
     @property
@@ -178,7 +181,7 @@ class EngineMetrics(_Acceptance):
         for xs, v in ((self.ttfts, m.ttft), (self.tpots, m.tpot), (self.e2es, m.e2e)):
             if v is not None:
                 xs.append(v)
-        end = m.finish_time if m.finish_time is not None else (m.token_times[-1] if m.token_times else None)
+        end = m.end_time
         if end is not None:
             self.last_time = end if self.last_time is None else max(self.last_time, end)
 

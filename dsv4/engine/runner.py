@@ -118,16 +118,17 @@ class Runner:
                 reqs_rows.append((req, lo, 1))
                 lo += 1
         probs = self._probs(logits, [r for r, _, n in reqs_rows for _ in range(n)])
+        top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
         for req, lo, n in reqs_rows:
             p = probs[lo:lo + n]
             gen = self.generators.get(req.slot)
-            if n == 1 and req.slot in last_chunk:
-                tok = int(sample(p, [gen])[0]) if not req.params.greedy else int(p[0].argmax())
+            if req.slot in last_chunk:
+                tok = int(sample(p, [gen])[0]) if not req.params.greedy else top[lo]
                 results[req.slot] = StepResult([tok], sources=["target"])
                 continue
             drafts = self.drafts.get(req.slot, [])[: n - 1]
             if req.params.greedy:
-                acc, toks = verify_greedy(p.argmax(dim=-1).tolist(), drafts)
+                acc, toks = verify_greedy(top[lo:lo + n], drafts)
             else:
                 acc, toks = verify_sampled(p, drafts, None, gen)
             start = req.num_computed_tokens

@@ -129,9 +129,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
         """Queue a request; raises `RequestError` (for this request only) if it cannot run."""
-        validate = getattr(request.params, "validate", None)
-        if validate is not None:
-            validate(self.vocab_size)
+        request.params.validate(self.vocab_size)
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         ids = request.prompt_ids
@@ -147,8 +145,6 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(ids)} tokens, but max_model_len {self.max_model_len} allows "
                                f"at most {self.max_model_len - 1} (one position is kept for output); "
                                f"shorten the prompt or raise --max-model-len")
-        if request.params.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {request.params.max_tokens}")
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.output_ids = []
@@ -157,9 +153,6 @@ class Scheduler:
         request.num_spec = self.num_spec if request.params.speculative else 0
         self.waiting.append(request)
         self._by_id[request.request_id] = request
-
-    def get(self, request_id: Any) -> Request | None:
-        return self._by_id.get(request_id)
 
     def finish(self, request: Request, reason: str) -> None:
         """Finish a request now and free its slot; a no-op if it already finished."""
@@ -174,6 +167,19 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._by_id.pop(request.request_id, None)
+
+    def stop_at(self, request: Request, n: int) -> None:
+        """A stop string ended the output inside the tokens just appended: keep the first
+        `n` outputs and finish as stopped, also when those tokens had already finished it
+        for another reason (length)."""
+        del request.output_ids[n:]
+        self.finish(request, FINISH_STOP)
+        request.finish_reason = FINISH_STOP
+
+    def is_stop_token(self, request: Request, t: int) -> bool:
+        """Whether output token `t` ends the request (EOS unless ignored, or a stop token id)."""
+        p = request.params
+        return (t == self.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids
 
     def abort(self, request_id: Any) -> Request | None:
         """Cancel a live request; returns it, or None if no live request has that id."""
@@ -288,10 +294,9 @@ class Scheduler:
 
     def _append(self, req: Request, tokens: list[int]) -> list[int]:
         p = req.params
-        stop_ids = set(p.stop_token_ids)
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
-            if (t == self.eos_token_id and not p.ignore_eos) or t in stop_ids:
+            if self.is_stop_token(req, t):
                 self.finish(req, FINISH_STOP)
             elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
                 self.finish(req, FINISH_LENGTH)

@@ -61,7 +61,6 @@ class Tokenizer:
             raise TokenizerError(f"cannot parse tokenizer.json from {source}: {e}") from None
         self.source = source
         self.config: dict = dict(config or {})
-        self.model_max_length: int | None = self.config.get("model_max_length")
         self.bos_id = self._special_id("bos_token", BOS_TOKEN)
         self.eos_id = self._special_id("eos_token", EOS_TOKEN)
         self.pad_id = self._special_id("pad_token", None)
@@ -104,10 +103,6 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string (as in the vocabulary), or None."""
         return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        """Token string of an id, or None."""
-        return self._tok.id_to_token(token_id)
 
     def _require(self, token: str) -> int:
         i = self.token_to_id(token)
