@@ -20,6 +20,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+import dsv4
 from dsv4.cli import options as O
 from dsv4.cli.options import CliError
 from dsv4.engine.metrics import percentiles
@@ -76,7 +77,6 @@ class _LocalBackend:
 
         self.engine = load_engine(O.build_config(kw))
         self.info = dict(self.engine.status())
-        self.info["vocab_size"] = self.engine.config.model_config.vocab_size
 
     def submit(self, prompt: list[int], params: dict[str, Any]) -> str:
         from dsv4.engine.sampling import SamplingParams
@@ -86,13 +86,8 @@ class _LocalBackend:
     def poll(self) -> list[dict[str, Any]]:
         from dsv4.daemon import protocol as P
 
-        msgs = []
-        for out in self.engine.step() if self.engine.has_unfinished() else []:
-            if out.token_ids:
-                msgs.append(P.delta(out.request_id, out.text, out.token_ids, out.sources))
-            if out.finished:
-                msgs.append(P.final(out.request_id, out.finish_reason, out.error, out.metrics))
-        return msgs
+        outs = self.engine.step() if self.engine.has_unfinished() else []
+        return [msg for out in outs for msg in P.output_messages(out.request_id, out)]
 
     def close(self) -> None:
         pass
@@ -152,7 +147,7 @@ def _prompts(dataset: str, n: int, prompt_len: int, vocab: int, model_dir: str |
     from dsv4.engine.tokenizer import Tokenizer, TokenizerError
 
     try:
-        tok = Tokenizer.from_dir(model_dir or O.default_model_dir())
+        tok = Tokenizer.from_dir(model_dir or dsv4.DEFAULT_MODEL)
     except TokenizerError as e:
         raise CliError(f"--dataset needs the model's tokenizer: {e}") from None
     ids = tok.encode(path.read_text(encoding="utf-8", errors="replace"))
@@ -203,15 +198,13 @@ def bench(
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
     if not arms or any(a not in ("on", "off") for a in arms) or len(set(arms)) != len(arms):
         raise CliError(f"--mtp must be on, off or on,off; got {mtp!r}", O.EXIT_USAGE)
-    engine = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  max_num_batched_tokens=max_num_batched_tokens,
-                  long_prefill_token_threshold=long_prefill_token_threshold,
-                  enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens)
-    if not local and any(v is not None for v in engine.values()):
-        raise CliError("engine options only apply with --local (the daemon has its own settings)", O.EXIT_USAGE)
+    engine = O.local_engine_kwargs(
+        local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens)
     from dsv4.daemon.paths import resolve_endpoint
 
-    backend = _LocalBackend(O.engine_kwargs(**engine)) if local else _DaemonBackend(resolve_endpoint(socket))
+    backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket))
     try:
         info = backend.info
         vocab = int(info.get("vocab_size") or 0)

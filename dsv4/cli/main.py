@@ -27,6 +27,7 @@ from dsv4.cli import options as O
 from dsv4.cli.bench import bench
 from dsv4.cli.run import run
 from dsv4.cli.options import CliError
+from dsv4.daemon.paths import resolve_endpoint
 
 app = typer.Typer(
     name="dsv4", add_completion=False, no_args_is_help=True, rich_markup_mode=None,
@@ -70,7 +71,7 @@ def serve(
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile)
     config = O.build_config(kw)  # validation only: no weights are read
-    endpoint = _endpoint(socket)
+    endpoint = resolve_endpoint(socket)
     paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
         from dsv4.daemon.process import report_running, spawn_detached
@@ -99,7 +100,7 @@ def status(
     """Show the daemon's model, device, uptime, requests, totals and MTP acceptance."""
     from dsv4.daemon.client import Client
 
-    with Client(_endpoint(socket)) as c:
+    with Client(resolve_endpoint(socket)) as c:
         c.connect()
         st = c.status()
     if as_json:
@@ -118,7 +119,7 @@ def stop(
     """Stop the daemon: in-flight requests are cancelled, their clients told; returns once it has exited."""
     from dsv4.daemon.client import Client, wait_for_release
 
-    endpoint = _endpoint(socket)
+    endpoint = resolve_endpoint(socket)
     with Client(endpoint) as c:
         pong = c.connect()
         c.shutdown()
@@ -128,12 +129,6 @@ def stop(
 
 
 # ---------------------------------------------------------------------- helpers
-def _endpoint(socket: str | None) -> str:
-    from dsv4.daemon.paths import resolve_endpoint
-
-    return resolve_endpoint(socket)
-
-
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     order = ["model", "device", "dtype", "uptime_s", "running", "waiting", "in_flight", "clients"]
     keys = sorted(d, key=lambda k: (order.index(k) if k in order else len(order), k))

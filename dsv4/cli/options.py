@@ -32,11 +32,6 @@ class CliError(Exception):
         self.code = code
 
 
-def default_model_dir() -> Path:
-    """The embedded default model."""
-    return Path(dsv4.__file__).parent / "assets" / "tiny-shakespeare"
-
-
 def err(msg: str) -> None:
     """One line on stderr."""
     print(msg, file=sys.stderr, flush=True)
@@ -102,8 +97,19 @@ ENGINE_FLAGS = {
 def engine_kwargs(**given: Any) -> dict[str, Any]:
     """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset."""
     kw = {k: (str(v) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
-    kw.setdefault("model", str(default_model_dir()))
+    kw.setdefault("model", str(dsv4.DEFAULT_MODEL))
     return kw
+
+
+def local_engine_kwargs(local: bool, **given: Any) -> dict[str, Any]:
+    """`engine_kwargs` for a command's --local engine; engine flags given without --local
+    are a usage error naming them (the daemon has its own settings)."""
+    if not local:
+        flags = [ENGINE_FLAGS[k] for k, v in given.items() if v is not None]
+        if flags:
+            raise CliError(f"{', '.join(flags)} {'apply' if len(flags) > 1 else 'applies'} only with --local "
+                           f"(the daemon has its own settings)", EXIT_USAGE)
+    return engine_kwargs(**given)
 
 
 def engine_argv(kw: dict[str, Any]) -> list[str]:

@@ -64,16 +64,11 @@ def run(
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None,
 ) -> None:
-    engine = dict(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                  max_num_batched_tokens=max_num_batched_tokens,
-                  long_prefill_token_threshold=long_prefill_token_threshold,
-                  enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-                  profile_dir=profile)
-    if not local:
-        given = [O.ENGINE_FLAGS[k] for k, v in engine.items() if v is not None]
-        if given:
-            raise CliError(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --local "
-                           f"(the daemon has its own settings)", O.EXIT_USAGE)
+    engine = O.local_engine_kwargs(
+        local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
+        profile_dir=profile)
     if raw and (system is not None or think):
         raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
     text = read_prompt(prompt)
@@ -88,7 +83,7 @@ def run(
     deadline = time.monotonic() + timeout if timeout > 0 else None
     signal.signal(signal.SIGTERM, _interrupt)
     if local:
-        code = out.drive(_local_events(O.engine_kwargs(**engine), request, out.colour), on_interrupt=None)
+        code = out.drive(_local_events(engine, request, out.colour), on_interrupt=None)
     else:
         code = out.drive_daemon(request, socket, deadline)
     if verbose:
@@ -288,13 +283,9 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> 
     try:
         while engine.has_unfinished():
             for out in engine.step():
-                if out.request_id != rid:
-                    continue
-                if out.text or out.token_ids:
-                    ps = [detok.push(t) for t in out.token_ids] if detok is not None else None
-                    yield P.delta(rid, out.text, out.token_ids, out.sources, ps)
-                if out.finished:
-                    yield P.final(rid, out.finish_reason, out.error, out.metrics)
-                    return
+                if out.request_id == rid:
+                    yield from P.output_messages(rid, out, detok)
+                    if out.finished:
+                        return
     finally:
         engine.close()

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dsv4 import __version__
 from dsv4.daemon.paths import PidLock, daemon_pid, log_file, pid_file, read_pid, remove_stale
@@ -42,15 +42,6 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def state_bytes(status: dict[str, Any]) -> int | None:
-    """The request-state memory figure in an engine status, whatever its exact key."""
-    for key, value in status.items():
-        k = key.lower()
-        if "state" in k and "bytes" in k and isinstance(value, (int, float)) and not isinstance(value, bool):
-            return int(value)
-    return None
 
 
 def report_running(endpoint: str) -> str:
@@ -107,7 +98,7 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_daemon(config: Any, endpoint: str, *, engine_factory: Callable[[Any], Any] = load_engine) -> int:
+def run_daemon(config: Any, endpoint: str) -> int:
     """Serve in the foreground until stopped; returns the exit status."""
     from dsv4.daemon.server import Server
 
@@ -122,14 +113,13 @@ def run_daemon(config: Any, endpoint: str, *, engine_factory: Callable[[Any], An
         for path in remove_stale(endpoint):
             log.info("removed stale socket %s left by a daemon that died", path)
         t0 = time.monotonic()
-        engine = engine_factory(config)
+        engine = load_engine(config)
         model_name = Path(config.model).name
         log.info("dsv4 %s: model %s loaded in %.1f s", __version__, config.model, time.monotonic() - t0)
         for line in config.banner_lines():
             log.info("%s", line)
-        nbytes = state_bytes(dict(engine.status()))
-        if nbytes is not None:
-            log.info("request state: %s reserved for %d sequences", human_bytes(nbytes), config.max_num_seqs)
+        log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
+                 config.max_num_seqs)
         server = Server(engine, endpoint, model_name=model_name)
         try:
             server.bind()

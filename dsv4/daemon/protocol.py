@@ -56,8 +56,6 @@ ERR_BAD_REQUEST = "bad_request"  # the engine rejected the request (e.g. prompt 
 ERR_DUPLICATE_ID = "duplicate_id"
 ERR_SHUTTING_DOWN = "shutting_down"
 ERR_INTERNAL = "internal"
-ERROR_CODES = (ERR_BAD_MESSAGE, ERR_TOO_LARGE, ERR_BAD_VERSION, ERR_UNKNOWN_TYPE, ERR_BAD_FIELD,
-               ERR_INVALID_PARAMS, ERR_BAD_REQUEST, ERR_DUPLICATE_ID, ERR_SHUTTING_DOWN, ERR_INTERNAL)
 
 
 class ProtocolError(Exception):
@@ -227,6 +225,19 @@ def final(rid: str, finish_reason: str | None, error: str | None = None,
     m = metrics or {}
     return _reply("final", rid, finish_reason=finish_reason, error=error, usage=m.get("usage"),
                   timings=m.get("timings"), spec=m.get("spec"))
+
+
+def output_messages(rid: str, out: Any, detok: Any = None) -> list[dict[str, Any]]:
+    """One engine `RequestOutput` as what its client gets: a delta when it carries text or
+    tokens (with display pieces when a detokenizer `detok` is given), then a final once
+    the request finished."""
+    msgs = []
+    if out.text or out.token_ids:
+        pieces = [detok.push(t) for t in out.token_ids] if detok is not None else None
+        msgs.append(delta(rid, out.text, out.token_ids, out.sources, pieces))
+    if out.finished:
+        msgs.append(final(rid, out.finish_reason, out.error, out.metrics))
+    return msgs
 
 
 def error(rid: str | None, code: str, message: str) -> dict[str, Any]:

@@ -261,14 +261,13 @@ class Server:
             live = self._live.get(out.request_id)
             if live is None:
                 continue  # cancelled meanwhile
-            ok = True
-            if out.text or out.token_ids:
-                pieces = [live.pieces.push(t) for t in out.token_ids] if live.pieces is not None else None
-                ok = self._send(live.client, P.delta(live.rid, out.text, out.token_ids, out.sources, pieces))
-            if ok and out.finished:
-                self._forget(out.request_id)
-                self._send(live.client, P.final(live.rid, out.finish_reason, out.error, out.metrics))
-                _log_finished(out)
+            for msg in P.output_messages(live.rid, out, live.pieces):
+                if msg["type"] == "final":
+                    self._forget(out.request_id)
+                    self._send(live.client, msg)
+                    _log_finished(out)
+                elif not self._send(live.client, msg):
+                    break  # the client is gone; its requests are cancelled
 
     def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
         live = self._forget(erid)
@@ -309,14 +308,9 @@ class Server:
             return
         if state.requests:
             log.info("client %s %s; cancelling %d request(s)", client.hex(), why, len(state.requests))
-        for rid, erid in list(state.requests.items()):
-            self._live.pop(erid, None)
-            try:
-                self.engine.abort(erid)
-            except Exception:  # noqa: BLE001
-                log.exception("engine.abort(%s) failed", erid)
-            # in case it is alive after all (say, stopped for a while): tell it, best effort
-            self._send(client, P.final(rid, "abort", f"request cancelled: client {why}"), reap=False)
+        for erid in list(state.requests.values()):
+            # tell it too, in case it is alive after all (say, stopped for a while): best effort
+            self._abort(erid, notify=True, error=f"request cancelled: client {why}")
 
     def _reap_silent_clients(self) -> None:
         now = time.monotonic()
@@ -343,7 +337,6 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
             "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
             "in_flight": len(self._live),
-            "vocab_size": _vocab_size(self.engine),
         }
 
 
@@ -355,14 +348,6 @@ def _log_finished(out: Any) -> None:
              out.request_id, out.finish_reason, u.get("prompt_tokens"), u.get("completion_tokens"),
              ms(t.get("ttft_s")), ms(t.get("tpot_s")), sp.get("accepted", 0), sp.get("drafted", 0),
              f", error: {out.error}" if out.error else "")
-
-
-def _vocab_size(engine: Any) -> int | None:
-    try:
-        return int(engine.config.model_config.vocab_size)
-    except (AttributeError, TypeError, ValueError):
-        tok = getattr(engine, "tokenizer", None)
-        return tok.vocab_size if tok is not None else None
 
 
 def _sampling_params(d: dict) -> Any:

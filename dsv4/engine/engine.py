@@ -195,6 +195,7 @@ class Engine:
             "device": str(self.device),
             "dtype": self.config.dtype,
             "num_speculative_tokens": self.config.num_speculative_tokens,
+            "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,
             "running": len(s.running),
             "waiting": len(s.waiting),
