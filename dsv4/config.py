@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any
 
 WINDOW, CSA, HCA = "window", "csa", "hca"
-_HF_LAYER_TYPES = {
+HF_LAYER_TYPES = {
     "sliding_attention": WINDOW,
     "compressed_sparse_attention": CSA,
     "heavily_compressed_attention": HCA,
 }
-_HF_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+HF_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 # The prefill tile of the reference NPU kernel: the most prompt tokens one dispatch may take.
 DEEPSEEK_V4_PREFILL_LIMIT = 128
 
@@ -282,13 +282,13 @@ def _layer_kinds(d: dict[str, Any], n: int) -> tuple[list[str], list[int]]:
         if not isinstance(lt, list) or len(lt) < n:
             raise ConfigError(f"'layer_types' has {len(lt) if isinstance(lt, list) else '?'} entries, "
                               f"but num_hidden_layers is {n}")
-        rates = dict(_HF_DEFAULT_RATES)
+        rates = dict(HF_DEFAULT_RATES)
         rates.update(d.get("compress_rates") or {})
         kinds, ratios = [], []
         for t in lt[:n]:
-            if t not in _HF_LAYER_TYPES:
-                raise ConfigError(f"'layer_types' entry {t!r} is not one of {sorted(_HF_LAYER_TYPES)}")
-            kinds.append(_HF_LAYER_TYPES[t])
+            if t not in HF_LAYER_TYPES:
+                raise ConfigError(f"'layer_types' entry {t!r} is not one of {sorted(HF_LAYER_TYPES)}")
+            kinds.append(HF_LAYER_TYPES[t])
             ratios.append(0 if t == "sliding_attention" else int(rates[t]))
     elif d.get("compress_ratios") is not None:
         cr = d["compress_ratios"]

@@ -25,13 +25,6 @@ from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, 
 from .state import Batch, LayerState, flat_rows
 
 
-def rope_at(rope: RopeTable, pos: torch.Tensor, batch: Batch | None) -> torch.Tensor:
-    """Rotations [T, r/2] at the batch's positions, computed once per dispatch and table."""
-    if batch is None:
-        return rope.rotation(pos)
-    return batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))
-
-
 def window_index(pos: torch.Tensor, slots: torch.Tensor, W: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where each query's window keys live: rows [T * W] of the flattened ring (`flat_rows`)
     holding positions pos-W+1..pos, and their bias [T, W] (-inf before position 0)."""
@@ -113,7 +106,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
         pos, slots = batch.positions, batch.slots
-        cis = rope_at(rope, pos, batch)
+        cis = batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))  # [T, r/2], once per dispatch
         qa, kv, *xp = project(x, self.fused, self._x_linears())  # xp: compressor, then indexer inputs
 
         qr = self.q_norm(qa)  # [T, q_lora]
@@ -122,7 +115,7 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(kv), cis, inplace=True)  # [T, hd]
         head_w = xp[2] if self.kind == CSA else None  # the indexer's per-head weights [T, Hi]
         if ls is None:
-            return self._out(self._dense(x, qr, q, kv, xp, batch, rope), cis, batch)
+            return self._out(self._dense(x, qr, q, kv, xp, cis, batch, rope), cis, batch, rope)
 
         # writes first: window ring, compressor rows and closed entries (and the indexer's)
         flat_rows(ls.win).index_copy_(0, batch.ring_rows(ls.win.shape[1]), cast(kv, ls.win.dtype))
@@ -134,7 +127,7 @@ class Attention(nn.Module):
         # (decode, verify) each gathering its own keys
         long_rows, short = batch.cached("split", lambda: split_rows(batch))
         if not long_rows:
-            return self._out(self._attend_packed(head_w, qr, q, cis, pos, slots, ls, batch, ""), cis, batch)
+            return self._out(self._attend_packed(head_w, qr, q, cis, pos, slots, ls, batch, ""), cis, batch, rope)
         o = torch.empty_like(q)
         for slot, start, n, off in long_rows:
             sl = slice(off, off + n)
@@ -144,7 +137,7 @@ class Attention(nn.Module):
             hw = head_w[short] if head_w is not None else None
             o[short] = self._attend_packed(hw, qr[short], q[short], cis[short], pos[short], slots[short],
                                            ls, batch, "short")
-        return self._out(o, cis, batch)
+        return self._out(o, cis, batch, rope)
 
     def _attend_row(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
         """One row's n queries (positions start..start+n-1) -> o [n, H, hd], one matmul per step."""
@@ -196,7 +189,7 @@ class Attention(nn.Module):
         sink = f32(self.attn_sink).view(shape).expand(*scores.shape[:-1], 1)
         return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
-    def _dense(self, x, qr, q, kv, xp, batch: Batch, rope: RopeTable) -> torch.Tensor:
+    def _dense(self, x, qr, q, kv, xp, cis, batch: Batch, rope: RopeTable) -> torch.Tensor:
         """Stateless attention over B whole sequences of S tokens -> o [T, H, hd]."""
         B, S = batch.dense
         T, H, hd, W = x.shape[0], self.n_heads, self.head_dim, self.cfg.sliding_window
@@ -211,8 +204,7 @@ class Attention(nn.Module):
             visible = torch.arange(n, device=x.device)[None, :] < ((i + 1) // self.ratio)[:, None]  # [S, n]
             if self.kind == CSA:
                 ikeys = self.indexer.compressor.pool_dense(xp[3], xp[4], B, S, rope)  # [B, n, di]
-                icis = rope.rotation(i)
-                cb = torch.cat([self.indexer.select(xp[2].view(B, S, -1)[b], qr.view(B, S, -1)[b], icis, ikeys[b],
+                cb = torch.cat([self.indexer.select(xp[2].view(B, S, -1)[b], qr.view(B, S, -1)[b], cis[:S], ikeys[b],
                                                     visible) for b in range(B)])
                 cbias = cb.view(B, S, n)
             else:
@@ -225,11 +217,12 @@ class Attention(nn.Module):
         o = torch.einsum("bhsk,bkd->bshd", probs.to(keys.dtype), keys)
         return o.reshape(T, H, hd).to(x.dtype)
 
-    def _out(self, o: torch.Tensor, cis: torch.Tensor, batch: Batch) -> torch.Tensor:
+    def _out(self, o: torch.Tensor, cis: torch.Tensor, batch: Batch, rope: RopeTable) -> torch.Tensor:
         """Inverse RoPE and the grouped low-rank output projection: [T, H, hd] -> [T, D]."""
         cfg = self.cfg
         T = o.shape[0]
-        inv = batch.cached(("rope_inv", cis.data_ptr()), lambda: cis.conj().resolve_conj())
+        # the conjugate rotations, resolved once per dispatch and table
+        inv = batch.cached(("rope_inv", id(rope)), lambda: cis.conj().resolve_conj())
         o = apply_rope(o, inv, inplace=True)
         G = cfg.o_groups
         wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)  # [G, O, H*hd/G]

@@ -36,37 +36,25 @@ class Compressor(nn.Module):
                 raw_score: torch.Tensor, entries: torch.Tensor, rope: RopeTable) -> None:
         """Write this dispatch's rows (kv, gate: the projections [T, coff*d]), then
         (re)compute every entry a row closes."""
-        m, d = self.ratio, self.dim
-        pos, slots = batch.positions, batch.slots
+        m, d, pos = self.ratio, self.dim, batch.positions
         R = raw_kv.shape[1]
         rows = batch.ring_rows(R)
         flat_rows(raw_kv).index_copy_(0, rows, f32(kv))
         ape = f32(self.ape).index_select(0, batch.cached(("mod", m), lambda: pos % m))
         flat_rows(raw_score).index_copy_(0, rows, f32(gate) + ape)
-        close = batch.cached(("close", m), lambda: ((pos + 1) % m == 0).nonzero().squeeze(-1))
-        if close.numel() == 0:
+        key = ("close", m, R, entries.shape[1], self.overlap, id(rope))  # shared by the layers of this ratio
+        closes = batch.cached(key, lambda: closed_windows(batch, m, R, entries.shape[1], self.overlap, rope))
+        if closes is None:
             return
-        dev = kv.device
-        cs, w = slots[close], pos[close] // m  # [C]
-        first = w * m
-        if self.overlap:
-            # slots: the previous window's Ca half, then this window's Cb half
-            p = torch.cat([first[:, None] - m + torch.arange(m, device=dev),
-                           first[:, None] + torch.arange(m, device=dev)], dim=1)  # [C, 2m]
-            g_kv = raw_kv[cs[:, None], p % R]  # [C, 2m, 2d]
-            g_sc = raw_score[cs[:, None], p % R]
-            sel_kv = torch.cat([g_kv[:, :m, :d], g_kv[:, m:, d:]], dim=1)  # [C, 2m, d]
-            sel_sc = torch.cat([g_sc[:, :m, :d], g_sc[:, m:, d:]], dim=1)
-            missing = (p < 0).unsqueeze(-1)  # window -1 does not exist
-            sel_kv = sel_kv.masked_fill(missing, 0.0)
-            sel_sc = sel_sc.masked_fill(missing, float("-inf"))
-        else:
-            p = first[:, None] + torch.arange(m, device=dev)  # [C, m]
-            sel_kv = raw_kv[cs[:, None], p % R]
-            sel_sc = raw_score[cs[:, None], p % R]
-        pooled = (sel_kv * sel_sc.softmax(dim=1)).sum(dim=1)  # [C, d]
-        pooled = self.norm(pooled)
-        entries[cs, w] = cast(apply_rope(pooled, rope.rotation(first), inplace=True), entries.dtype)
+        src, missing, entry_rows, cis = closes
+        C = entry_rows.shape[0]
+        sel_kv = flat_rows(raw_kv).index_select(0, src).view(C, -1, raw_kv.shape[-1])  # [C, k, coff*d]
+        sel_sc = flat_rows(raw_score).index_select(0, src).view(C, -1, raw_score.shape[-1])
+        if self.overlap:  # the previous window's Ca half, then this window's Cb half
+            sel_kv = torch.cat([sel_kv[:, :m, :d], sel_kv[:, m:, d:]], dim=1).masked_fill(missing, 0.0)  # [C, 2m, d]
+            sel_sc = torch.cat([sel_sc[:, :m, :d], sel_sc[:, m:, d:]], dim=1).masked_fill(missing, float("-inf"))
+        pooled = self.norm((sel_kv * sel_sc.softmax(dim=1)).sum(dim=1))  # [C, d]
+        flat_rows(entries).index_copy_(0, entry_rows, cast(apply_rope(pooled, cis, inplace=True), entries.dtype))
 
     def pool_dense(self, kv: torch.Tensor, gate: torch.Tensor, B: int, S: int, rope: RopeTable) -> torch.Tensor:
         """Stateless: every complete window of B sequences of S tokens -> entries [B, S//m, d].
@@ -85,6 +73,24 @@ class Compressor(nn.Module):
         pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, n, d]
         cis = rope.rotation(torch.arange(n, device=kv.device) * m, max_pos=S)  # [n, r/2]
         return cast(apply_rope(pooled, cis.expand(B, -1, -1)), dt)
+
+
+def closed_windows(batch: Batch, m: int, R: int, E: int, overlap: bool, rope: RopeTable
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+    """The windows of `m` tokens this dispatch closes (None if none): the flattened ring
+    rows [C * k] each one pools (k = 2m with the overlap, whose rows before position 0
+    are `missing` [C, k, 1]), the flattened entry rows [C] it is written to (E entries a
+    slot), and the rotations [C, r/2] at each window's first position."""
+    pos, slots = batch.positions, batch.slots
+    close = ((pos + 1) % m == 0).nonzero().squeeze(-1)
+    if close.numel() == 0:
+        return None
+    cs, w = slots[close], pos[close] // m  # [C]
+    first = w * m
+    k = torch.arange(m, device=pos.device)
+    p = torch.cat([first[:, None] - m + k, first[:, None] + k], dim=1) if overlap else first[:, None] + k  # [C, k]
+    missing = (p < 0).unsqueeze(-1) if overlap else None
+    return (cs[:, None] * R + p % R).flatten(), missing, cs * E + w, rope.rotation(first)
 
 
 class Indexer(nn.Module):

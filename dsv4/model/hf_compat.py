@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config import CSA, HCA, ModelConfig
+from ..config import CSA, HCA, HF_DEFAULT_RATES, HF_LAYER_TYPES, ModelConfig
 
 _RENAMES = [  # (transformers pattern, official replacement), applied in order
     (r"^model\.embed_tokens\.", "embed."),
@@ -108,7 +108,7 @@ def _hf_names(cfg: ModelConfig) -> list[str]:
 
 def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
     """A transformers `DeepseekV4Config` kwargs dict equivalent to `cfg`."""
-    types = {"window": "sliding_attention", CSA: "compressed_sparse_attention", HCA: "heavily_compressed_attention"}
+    types = {kind: hf for hf, kind in HF_LAYER_TYPES.items()}
     rates = {}
     for k, r in zip(cfg.layer_kinds, cfg.compress_ratios):
         if k != "window":
@@ -120,7 +120,7 @@ def hf_config_dict(cfg: ModelConfig) -> dict[str, Any]:
               "model_type", "topk_method", "torch_dtype"):
         d.pop(k, None)
     d["layer_types"] = [types[k] for k in cfg.layer_kinds]
-    d["compress_rates"] = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, **rates}
+    d["compress_rates"] = {**HF_DEFAULT_RATES, **rates}
     d["mlp_layer_types"] = ["hash_moe" if cfg.is_hash_layer(i) else "moe" for i in range(cfg.num_hidden_layers)]
     d["partial_rotary_factor"] = cfg.qk_rope_head_dim / cfg.head_dim
     compress = {"rope_type": "default", "rope_theta": cfg.compress_rope_theta}

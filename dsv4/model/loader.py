@@ -19,7 +19,6 @@ import torch
 
 from ..config import ModelConfig
 from .checkpoint import CheckpointError, check_tensors, read_checkpoint
-from .layers import RopeTable
 from .model import DeepseekV4
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -50,9 +49,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_tensors(tensors, expected)
     model.load_state_dict(tensors, strict=True, assign=True)
-    rd = cfg.qk_rope_head_dim
-    model.rope_main = RopeTable(rd, cfg.rope_theta, None).to(dev)
-    model.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn).to(dev)
+    model.make_rope_tables(dev)
     if fuse:
         model.fuse_projections()
     return model.eval()

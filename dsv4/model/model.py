@@ -87,9 +87,15 @@ class DeepseekV4(nn.Module):
         if with_mtp is None:
             with_mtp = cfg.num_nextn_predict_layers > 0
         self.mtp = nn.ModuleList([MTPBlock(cfg)]) if with_mtp else None
-        rd = cfg.qk_rope_head_dim
-        self.rope_main = RopeTable(rd, cfg.rope_theta, None)
-        self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn)
+        self.make_rope_tables()
+
+    def make_rope_tables(self, device: torch.device | str | None = None) -> None:
+        """The RoPE tables: plain for window layers, YaRN for compressed ones (derived from
+        the config, not stored in checkpoints; `load_model` builds them on the real device
+        after a meta-device construction)."""
+        rd, cfg = self.cfg.qk_rope_head_dim, self.cfg
+        self.rope_main = RopeTable(rd, cfg.rope_theta, None).to(device)
+        self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn).to(device)
 
     def fuse_projections(self) -> "DeepseekV4":
         """For inference: every group of linears that reads one input runs as one matmul

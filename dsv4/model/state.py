@@ -80,10 +80,6 @@ class Batch:
         t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
         return cls(t(ids), t(pos), t(slots), meta)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
-
 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
     """A slotted state tensor [slots, n, d] as rows [slots * n, d] (a view), for
@@ -98,21 +94,20 @@ class LayerState:
                  max_chunk: int, max_spec: int, device, dtype: torch.dtype):
         hd = cfg.head_dim
         self.kind, self.ratio = kind, ratio
-        self.win_size = max_chunk + cfg.sliding_window + max_spec
-        self.win = torch.zeros(slots, self.win_size, hd, device=device, dtype=dtype)
-        self.raw_size = 0
+        win_size = max_chunk + cfg.sliding_window + max_spec
+        self.win = torch.zeros(slots, win_size, hd, device=device, dtype=dtype)
         if kind != WINDOW:
             coff = 2 if kind == CSA else 1
-            self.raw_size = max_chunk + 2 * ratio + max_spec
+            raw_size = max_chunk + 2 * ratio + max_spec
             n_entries = max_len // ratio + 1
             f32 = torch.float32
-            self.raw_kv = torch.zeros(slots, self.raw_size, coff * hd, device=device, dtype=f32)
-            self.raw_score = torch.zeros(slots, self.raw_size, coff * hd, device=device, dtype=f32)
+            self.raw_kv = torch.zeros(slots, raw_size, coff * hd, device=device, dtype=f32)
+            self.raw_score = torch.zeros(slots, raw_size, coff * hd, device=device, dtype=f32)
             self.entries = torch.zeros(slots, n_entries, hd, device=device, dtype=dtype)
             if kind == CSA:
                 di = cfg.index_head_dim
-                self.idx_raw_kv = torch.zeros(slots, self.raw_size, 2 * di, device=device, dtype=f32)
-                self.idx_raw_score = torch.zeros(slots, self.raw_size, 2 * di, device=device, dtype=f32)
+                self.idx_raw_kv = torch.zeros(slots, raw_size, 2 * di, device=device, dtype=f32)
+                self.idx_raw_score = torch.zeros(slots, raw_size, 2 * di, device=device, dtype=f32)
                 self.idx_entries = torch.zeros(slots, n_entries, di, device=device, dtype=dtype)
 
     def tensors(self) -> list[torch.Tensor]:
