@@ -72,12 +72,16 @@ class Runner:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
         last have none)."""
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
+        idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         off = 0
         for req, start, n in prefills:
             if start == 0:
                 self.reset_slot(req)
             rows.append((req.slot, start, req.prompt_ids[start:start + n]))
             want.append(("prefill", req, start, off, n))
+            if start + n == req.num_prompt_tokens:  # the last chunk samples the first token
+                samples.append((req, len(idx), 1, None))
+                idx.append(off + n - 1)
             off += n
         for req, n in decodes:
             toks = [req.last_token_id] + self.drafts.get(req.slot, [])[: n - 1]
@@ -85,48 +89,34 @@ class Runner:
                 raise RuntimeError(f"{req!r}: {n} tokens scheduled, {len(toks) - 1} drafts available")
             rows.append((req.slot, req.num_computed_tokens, toks))
             want.append(("decode", req, req.num_computed_tokens, off, n))
+            samples.append((req, len(idx), n, toks[1:]))
+            idx.extend(range(off, off + n))
             off += n
         if not rows:
             return {}
         batch = Batch.build(rows, self.device)
-        idx, last_chunk = [], set()
-        for kind, req, start, o, n in want:
-            if kind == "decode":
-                idx.extend(range(o, o + n))
-            elif start + n == req.num_prompt_tokens:  # the last chunk samples the first token
-                idx.append(o + n - 1)
-                last_chunk.add(req.slot)
         logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
             hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
         with record_function("dsv4.sample_verify"):
-            results = self._sample_verify(want, logits, last_chunk)
+            results = self._sample_verify(samples, logits)
         with record_function("dsv4.mtp"):
             self._draft(want, hidden, results)
         return results
 
-    def _sample_verify(self, want, logits: torch.Tensor, last_chunk: set[int]) -> dict[int, StepResult]:
-        """First tokens of finished prefills; accepted drafts + one target token per decode row."""
+    def _sample_verify(self, samples, logits: torch.Tensor) -> dict[int, StepResult]:
+        """First tokens of finished prefills (drafts None); accepted drafts + one target
+        token per decode row."""
         results: dict[int, StepResult] = {}
-        reqs_rows = []  # (request, logits row offset, n rows)
-        lo = 0
-        for kind, req, _, o, n in want:
-            if kind == "decode":
-                reqs_rows.append((req, lo, n))
-                lo += n
-            elif req.slot in last_chunk:
-                reqs_rows.append((req, lo, 1))
-                lo += 1
-        probs = self._probs(logits, [r for r, _, n in reqs_rows for _ in range(n)])
+        probs = self._probs(logits, [r for r, _, n, _ in samples for _ in range(n)])
         top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
-        for req, lo, n in reqs_rows:
+        for req, lo, n, drafts in samples:
             p = probs[lo:lo + n]
             gen = self.generators.get(req.slot)
-            if req.slot in last_chunk:
+            if drafts is None:
                 tok = int(sample(p, [gen])[0]) if not req.params.greedy else top[lo]
                 results[req.slot] = StepResult([tok], sources=["target"])
                 continue
-            drafts = self.drafts.get(req.slot, [])[: n - 1]
             if req.params.greedy:
                 acc, toks = verify_greedy(top[lo:lo + n], drafts)
             else:
@@ -202,7 +192,6 @@ class Runner:
             z_next, lg = self.model.mtp_forward(Batch.build(rows, self.device), z_last[sel], self.state)
             for (i, req), t in zip(deeper, lg.argmax(dim=-1).tolist()):
                 drafts[req.slot].append(int(t))
-            z_last = z_last.clone()
             z_last[sel] = z_next
         for req, _ in heads:  # speculative rows beyond the committed pairs are forgotten
             self.state.rollback(req.slot, self.state.lengths[req.slot], mtp_length=committed[req.slot])
