@@ -239,16 +239,15 @@ def bench(
 
 def _measure(backend: Any, prompts: list[list[int]], params: dict[str, Any], levels: list[int], arms: list[str],
              warmup: int, total: int) -> list[dict[str, Any]]:
-    bar, task = None, None
-    if O.stderr_is_tty():
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from dsv4.daemon.process import ProgressBar
 
-        bar = Progress("bench", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                       console=Console(stderr=True), transient=True)
-        bar.start()
-        task = bar.add_task("bench", total=total)
-    advance = (lambda: bar.advance(task)) if bar is not None else (lambda: None)
+    bar, done = ProgressBar("bench"), 0
+
+    def advance() -> None:
+        nonlocal done
+        done += 1
+        bar(done, total)
+
     results = []
     try:
         for c in levels:
@@ -259,8 +258,7 @@ def _measure(backend: Any, prompts: list[list[int]], params: dict[str, Any], lev
                 records, wall = _run_arm(backend, prompts[warmup:], p, c, advance)
                 results.append(_summarise(records, wall, c, arm))
     finally:
-        if bar is not None:
-            bar.stop()
+        bar.close()
     return results
 
 

@@ -37,13 +37,6 @@ def err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
-        return False
-
-
 # ---------------------------------------------------------------------- option types
 Socket = Annotated[Optional[str], typer.Option(
     "--socket", metavar="ENDPOINT",

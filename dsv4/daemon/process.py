@@ -57,17 +57,18 @@ def report_running(endpoint: str) -> str:
             return f"dsv4 daemon already starting (pid {pid}) on {endpoint}"
 
 
-class _Progress:
-    """Weight-loading progress: a rich bar on a terminal, nothing otherwise."""
+class ProgressBar:
+    """`bar(done, total)`: a transient rich progress bar on a terminal, nothing otherwise
+    (weight loading, `dsv4 bench`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str) -> None:
         self._bar = None
         self._task = None
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-            self._bar = Progress("loading weights", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            self._bar = Progress(label, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  console=Console(stderr=True), transient=True)
 
     def __call__(self, done: int, total: int) -> None:
@@ -87,7 +88,7 @@ def load_engine(config: Any) -> Any:
     """Build the engine (loads the weights) with a progress bar on a terminal."""
     from dsv4.engine.engine import Engine
 
-    progress = _Progress()
+    progress = ProgressBar("loading weights")
     try:
         return Engine(config, progress=progress)
     finally:
