@@ -57,7 +57,7 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    socket: O.Socket = None,
+    socket: O.Socket = None, http: O.Http = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -71,6 +71,14 @@ def serve(
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile)
     config = O.build_config(kw)  # validation only: no weights are read
+    http_server = None
+    if http is not None:
+        from dsv4.http.server import HttpError, HttpServer, parse_address
+
+        try:
+            http_server = HttpServer(parse_address(http, api_key), api_key)
+        except HttpError as e:
+            raise CliError(str(e), O.EXIT_USAGE) from None
     endpoint = resolve_endpoint(socket)
     paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
@@ -80,7 +88,10 @@ def serve(
             O.err(report_running(endpoint))
             raise typer.Exit(O.EXIT_OK)
         try:
-            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint], endpoint)
+            if api_key:
+                os.environ["DSV4_API_KEY"] = api_key  # to the child through its environment, not its argv
+            http_argv = ["--http", http] if http is not None else []
+            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint, *http_argv], endpoint)
         except TimeoutError as e:
             raise CliError(str(e), O.EXIT_TIMEOUT) from None
         except RuntimeError as e:
@@ -89,7 +100,7 @@ def serve(
         raise typer.Exit(O.EXIT_OK)
     from dsv4.daemon.process import run_daemon
 
-    raise typer.Exit(run_daemon(config, endpoint))
+    raise typer.Exit(run_daemon(config, endpoint, http_server))
 
 
 @app.command()

@@ -42,6 +42,13 @@ Socket = Annotated[Optional[str], typer.Option(
     "--socket", metavar="ENDPOINT",
     help="Daemon endpoint: ipc:///path/to/socket, a socket path, or tcp://HOST:PORT "
          "[default: $DSV4_SOCKET, else ipc://$XDG_RUNTIME_DIR/dsv4/dsv4.sock]")]
+Http = Annotated[Optional[str], typer.Option(
+    "--http", metavar="HOST:PORT",
+    help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+         "/health, /metrics) on HOST:PORT; a host other than loopback needs --api-key [default: off]")]
+ApiKey = Annotated[Optional[str], typer.Option(
+    "--api-key", metavar="KEY", envvar="DSV4_API_KEY", show_envvar=False,
+    help="Clients must send this key ('Authorization: Bearer KEY' over HTTP) [env: DSV4_API_KEY]")]
 Model = Annotated[Optional[Path], typer.Option(
     "--model", metavar="DIR", rich_help_panel=ENGINE_PANEL,
     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: the embedded "

@@ -99,8 +99,9 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_daemon(config: Any, endpoint: str) -> int:
-    """Serve in the foreground until stopped; returns the exit status."""
+def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
+    """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
+    `dsv4.http.server.HttpServer` for --http, or None."""
     from dsv4.daemon.server import Server
 
     setup_logging()
@@ -108,6 +109,15 @@ def run_daemon(config: Any, endpoint: str) -> int:
     if not lock.acquire():
         print(report_running(endpoint), file=sys.stderr)
         return EXIT_OK
+    if http is not None:
+        from dsv4.http.server import HttpError
+
+        try:
+            http.bind()  # a port in use fails now, before the weights load
+        except HttpError as e:
+            log.error("%s", e)
+            lock.release()
+            return EXIT_ERROR
     server = None
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a stop while loading exits cleanly
     try:
@@ -121,7 +131,13 @@ def run_daemon(config: Any, endpoint: str) -> int:
             log.info("%s", line)
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
-        server = Server(engine, endpoint, model_name=model_name)
+        also = ()
+        if http is not None:
+            from dsv4.http.server import INPROC_ENDPOINT
+
+            also = (INPROC_ENDPOINT,)
+        server = Server(engine, endpoint, model_name=model_name, also_bind=also,
+                        make_params=getattr(engine, "make_params", None))
         try:
             server.bind()
         except Exception as e:  # noqa: BLE001  (zmq.ZMQError: address in use, permission denied)
@@ -130,9 +146,14 @@ def run_daemon(config: Any, endpoint: str) -> int:
             return EXIT_ERROR
         server.install_signal_handlers()
         log.info("listening on %s (pid %d)", endpoint, os.getpid())
+        if http is not None:
+            http.start(server.context, model_name=model_name, model_path=str(config.model),
+                       max_model_len=config.max_model_len, tokenizer=engine.tokenizer)
         try:
             reason = server.serve_forever()
         finally:
+            if http is not None:
+                http.stop()  # before the ROUTER's context ends: its socket lives there
             close = getattr(engine, "close", None)
             if close is not None:
                 close()  # flushes --profile traces

@@ -62,9 +62,10 @@ class Server:
 
     def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
                  heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
-                 make_params: Callable[[dict], Any] | None = None) -> None:
+                 make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.endpoint = endpoint
+        self.also_bind = also_bind  # more endpoints for the same ROUTER (the HTTP front end's inproc://)
         self.model_name = model_name
         self.heartbeat_timeout = heartbeat_timeout
         self._make_params = make_params or _sampling_params
@@ -92,6 +93,8 @@ class Server:
         s.setsockopt(zmq.LINGER, 2000)
         try:
             s.bind(self.endpoint)
+            for extra in self.also_bind:
+                s.bind(extra)
         except zmq.ZMQError:
             s.close(0)
             self._ctx.term()
@@ -101,6 +104,11 @@ class Server:
         path = ipc_path(self.endpoint)
         if path is not None:
             os.chmod(path, 0o600)
+
+    @property
+    def context(self) -> zmq.Context | None:
+        """The ZeroMQ context of the ROUTER (inproc:// peers must share it)."""
+        return self._ctx
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT stop the loop; the wakeup pipe makes a blocking poll return at once."""

@@ -134,6 +134,7 @@ class RequestMetrics(_Acceptance):
                 "acceptance_rate": self.acceptance_rate,
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "per_position_acceptance": _per_position(self.accepted_per_position, self.drafted_per_position),
+                "accepted_per_position": list(self.accepted_per_position),
             },
         }
 

@@ -154,6 +154,29 @@ class Tokenizer:
             ids += self.encode(system)
         return ids + [user] + self.encode(text) + [assistant, think]
 
+    def encode_chat(self, messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True) -> list[int]:
+        """Prompt ids for a conversation of {role, content} messages (DeepSeek V4's encoding).
+
+        BOS + system texts + per turn `<｜User｜>` text (user, tool) or `<｜Assistant｜></think>`
+        text `<｜end▁of▁sentence｜>` (earlier assistant answers, without their thinking), then
+        `<｜Assistant｜>` + (`<think>` if thinking else `</think>`). Texts are encoded as plain
+        text, so message content cannot inject special tokens.
+        """
+        user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)
+        think_end = self._require(THINK_END_TOKEN)
+        ids = [self._bos()] if add_bos else []
+        for m in messages:
+            role, text = m.get("role"), str(m.get("content") or "")
+            if role == "system":
+                ids += self.encode(text)
+            elif role == "assistant":
+                if self.eos_id is None:
+                    raise TokenizerError(f"tokenizer from {self.source} has no EOS token to end an assistant turn")
+                ids += [assistant, think_end] + self.encode(text) + [self.eos_id]
+            else:  # user, tool
+                ids += [user] + self.encode(text)
+        return ids + [assistant, self._require(THINK_START_TOKEN) if thinking else think_end]
+
     def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
         """A fresh streaming detokeniser over this tokenizer."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API (Starlette): /v1/models, /v1/completions, /v1/chat/completions,
+/health, /metrics. The contract is docs/http-api.md of the project's shared docs.
+
+Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
+(one DEALER for the whole app); the reply queue is read until the final message.
+
+* Errors: OpenAI's shape `{"error": {message, type, param, code}}`; 400 for bad bodies and
+  parameters (the daemon's `SamplingParams.validate` message), 401 for a wrong key, 404
+  for unknown models and routes, 413 for bodies over MAX_BODY_BYTES, 503 when the daemon
+  does not answer. After a stream started, an error goes out as `data: {"error": ...}`.
+* Streams start once the first reply is in (so a rejected request still gets its 400);
+  a client that disconnects cancels its requests (the generator's `finally`, or the
+  disconnect watch of non-streaming requests).
+* Thinking mode: text before `</think>` is `reasoning_content`, the rest `content`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from dsv4.daemon import protocol as P
+from dsv4.http.bridge import Bridge, DaemonUnavailable
+from dsv4.http.metrics import Metrics
+from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion
+from dsv4.http.stream import ReasoningSplitter
+
+MAX_BODY_BYTES = 8 << 20
+WATCH_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_INTERNAL: 500}
+
+
+def error_response(e: ApiError) -> JSONResponse:
+    headers = {"x-should-retry": "false"} if e.status < 500 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Api:
+    """State of the HTTP app: the served model, the bridge, the metrics, the API key."""
+
+    def __init__(self, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any,
+                 ctx: Any, endpoint: str, api_key: str | None = None) -> None:
+        self.model_name, self.model_path, self.max_model_len = model_name, model_path, max_model_len
+        self.tokenizer, self.api_key = tokenizer, api_key
+        self._ctx, self._endpoint = ctx, endpoint
+        self.bridge: Bridge | None = None
+        self.metrics = Metrics(model_name)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ plumbing
+    async def startup(self) -> None:
+        import zmq.asyncio
+
+        self.bridge = Bridge(zmq.asyncio.Context.shadow(self._ctx.underlying), self._endpoint)  # in the loop
+        await self.bridge.start()
+
+    async def shutdown(self) -> None:
+        if self.bridge is not None:
+            await self.bridge.close()
+
+    def _auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        got = request.headers.get("authorization", "")
+        scheme, _, token = got.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body of {length} bytes exceeds the limit of {MAX_BODY_BYTES}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model not in (self.model_name, self.model_path):
+            raise ApiError(404, f"the model {model!r:.80} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", code="model_not_found")
+        return body
+
+    def _submit(self, parsed: Parsed) -> tuple[asyncio.Queue, list[str]]:
+        assert self.bridge is not None
+        q: asyncio.Queue = asyncio.Queue()
+        rids = []
+        try:
+            for prompt in parsed.prompts:
+                rid, _ = self.bridge.generate(prompt, parsed.params, mode=parsed.mode, thinking=parsed.thinking,
+                                              queue=q)
+                rids.append(rid)
+        except DaemonUnavailable as e:
+            self._cancel(rids)
+            raise ApiError(503, str(e)) from None
+        except ValueError as e:
+            self._cancel(rids)
+            raise ApiError(413, str(e)) from None
+        return q, rids
+
+    def _cancel(self, rids: list[str]) -> None:
+        for rid in rids:
+            if self.bridge is not None:
+                self.bridge.cancel(rid)
+
+    @staticmethod
+    def _daemon_error(msg: dict[str, Any]) -> ApiError:
+        """An `error` reply, or a final that ended in error/abort, as an ApiError."""
+        if msg["type"] == "error":
+            return ApiError(_DAEMON_STATUS.get(str(msg.get("code")), 400), str(msg.get("message")))
+        reason = msg.get("finish_reason")
+        return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
+
+    async def _next(self, q: asyncio.Queue, request: Request | None) -> dict[str, Any]:
+        """The next reply; with `request`, raise CancelledError once its client has gone."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), WATCH_S) if request is not None else await q.get()
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():  # type: ignore[union-attr]
+                    raise asyncio.CancelledError from None
+                if self.bridge is not None and not self.bridge.alive:
+                    return P.error(None, P.ERR_SHUTTING_DOWN, "the dsv4 engine stopped answering")
+
+    # ------------------------------------------------------------------ endpoints
+    async def models(self, request: Request) -> Response:
+        self._auth(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "dsv4",
+            "root": self.model_path, "parent": None, "max_model_len": self.max_model_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.bridge is None or not self.bridge.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        if self.bridge is not None and self.bridge.alive:
+            try:
+                self.metrics.set_queue(await self.bridge.status())
+            except DaemonUnavailable:
+                pass
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def completions(self, request: Request) -> Response:
+        self._auth(request)
+        return await self._serve(request, parse_completion(await self._body(request)), chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        self._auth(request)
+        return await self._serve(request, parse_chat(await self._body(request), self.tokenizer), chat=True)
+
+    # ------------------------------------------------------------------ generation
+    async def _serve(self, request: Request, parsed: Parsed, chat: bool) -> Response:
+        t0 = time.monotonic()
+        q, rids = self._submit(parsed)
+        index = {rid: i for i, rid in enumerate(rids)}
+        run = _Run(self, parsed, chat, index, t0)
+        try:
+            first = await self._next(q, request)
+        except BaseException:
+            self._cancel(rids)
+            raise
+        if first["type"] == "error" or (first["type"] == "final" and first.get("finish_reason") in ("error", "abort")):
+            self._cancel(rids)
+            raise self._daemon_error(first)
+        if not parsed.stream:
+            try:
+                msg = first
+                while True:
+                    run.take(msg)
+                    if run.finished == len(rids):
+                        break
+                    msg = await self._next(q, request)
+            except BaseException:
+                self._cancel(rids)
+                raise
+            if run.error is not None:
+                raise run.error
+            return JSONResponse(run.whole())
+        return StreamingResponse(self._sse(q, rids, run, first), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+
+    async def _sse(self, q: asyncio.Queue, rids: list[str], run: "_Run", first: dict[str, Any]
+                   ) -> AsyncIterator[bytes]:
+        try:
+            msg = first
+            while True:
+                for chunk in run.take(msg):
+                    yield _event(chunk)
+                if run.error is not None:
+                    yield _event(run.error.body())
+                    break
+                if run.finished == len(rids):
+                    if run.parsed.include_usage:
+                        yield _event(run.chunk([], usage=run.usage()))
+                    break
+                msg = await self._next(q, None)
+            yield b"data: [DONE]\n\n"
+        finally:  # a disconnect cancels the generator here
+            self._cancel([r for r in rids if r not in run.done])
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _Run:
+    """The replies of one HTTP request folded into OpenAI objects (whole or as chunks)."""
+
+    def __init__(self, api: Api, parsed: Parsed, chat: bool, index: dict[str, int], t0: float) -> None:
+        self.api, self.parsed, self.chat, self.index, self.t0 = api, parsed, chat, index, t0
+        n = len(index)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.content, self.reasoning = [""] * n, [""] * n
+        self.splitters = [ReasoningSplitter(parsed.thinking) for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.prompt_tokens, self.completion_tokens = [0] * n, [0] * n
+        self.started = [False] * n
+        self.last_time: list[float | None] = [None] * n
+        self.done: set[str] = set()
+        self.finished = 0
+        self.error: ApiError | None = None
+
+    def take(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        """Fold in one reply; returns the stream chunks it makes."""
+        rid = msg.get("id")
+        i = self.index.get(rid) if isinstance(rid, str) else None
+        if i is None or rid in self.done:
+            if msg["type"] == "error" and rid is None:
+                self.error = Api._daemon_error(msg)
+            return []
+        now = time.monotonic()
+        m = self.api.metrics
+        if msg["type"] == "error" or (msg["type"] == "final" and msg.get("finish_reason") in ("error", "abort")):
+            self.error = Api._daemon_error(msg)
+            self.done.add(rid)
+            self.finished += 1
+            return []
+        chunks = []
+        if msg["type"] == "delta":
+            if self.last_time[i] is None:
+                m.observe_first_token(now - self.t0)
+            else:
+                m.observe_gap(now - self.last_time[i])
+            self.last_time[i] = now
+            reasoning, content = self.splitters[i].feed(msg.get("text") or "")
+            chunks += self._delta(i, reasoning, content, None)
+        else:  # final
+            reasoning, content = self.splitters[i].flush()
+            usage = msg.get("usage") or {}
+            self.prompt_tokens[i] = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens[i] = int(usage.get("completion_tokens") or 0)
+            self.reasons[i] = msg.get("finish_reason")
+            m.observe_final(msg, now - self.t0)
+            self.done.add(rid)
+            self.finished += 1
+            chunks += self._delta(i, reasoning, content, self.reasons[i], force=True)
+        return chunks
+
+    def _delta(self, i: int, reasoning: str, content: str, reason: str | None, force: bool = False
+               ) -> list[dict[str, Any]]:
+        self.reasoning[i] += reasoning
+        self.content[i] += content
+        if not (reasoning or content or force):
+            return []
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self.started[i]:
+                delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not reasoning:
+                delta["content"] = content
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": content, "logprobs": None, "finish_reason": reason}
+        self.started[i] = True
+        return [self.chunk([choice])]
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.api.model_name, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return obj
+
+    def usage(self) -> dict[str, int]:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.index)):
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
+                if self.parsed.thinking:
+                    message["reasoning_content"] = self.reasoning[i]
+                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": self.reasons[i]})
+            else:
+                choices.append({"index": i, "text": self.content[i], "logprobs": None,
+                                "finish_reason": self.reasons[i]})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.api.model_name, "choices": choices, "usage": self.usage()}
+
+
+def build_app(api: Api) -> Starlette:
+    """The Starlette app over `api`, with OpenAI-shaped errors for every failure."""
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        return error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"))
+
+    routes = [
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics_endpoint, methods=["GET"]),
+    ]
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await api.startup()
+        try:
+            yield
+        finally:
+            await api.shutdown()
+
+    return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error},
+                     lifespan=lifespan)

@@ -1,0 +1,159 @@
+"""The HTTP front end's connection to the daemon: one zmq.asyncio DEALER, replies routed by id.
+
+    bridge = Bridge(ctx, "inproc://dsv4-http")   # created inside the running event loop
+    await bridge.start()                         # reader task + heartbeat task
+    q = bridge.generate(prompt, params, ...)     # an asyncio.Queue of delta/final/error messages
+    bridge.cancel(rid)                           # fire and forget (safe in a `finally`)
+
+Only the event loop's thread touches the socket. The reader task drains the socket all the
+time and puts each reply on its request's unbounded queue, so a slow HTTP client only
+grows its own queue: the daemon (and every other request) never waits for it. A DEALER
+queues silently while nobody answers, so the heartbeat task pings every second and
+`alive` says whether the daemon answered recently; requests get 503 otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from dsv4.daemon import protocol as P
+
+log = logging.getLogger("dsv4.http")
+
+ALIVE_WINDOW_S = 10.0  # the daemon answers between engine steps; a step may take a while
+
+
+class DaemonUnavailable(Exception):
+    """The daemon did not answer (503)."""
+
+
+class Bridge:
+    """A DEALER on `endpoint` shared by every HTTP request of this process."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._calls: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+        self.last_pong: float | None = None
+        self.daemon: dict[str, Any] = {}
+
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._reader()), asyncio.create_task(self._heartbeat())]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+        for q in self._queues.values():
+            q.put_nowait(P.error(None, P.ERR_SHUTTING_DOWN, "the HTTP server is shutting down"))
+        self._sock.close(0)
+
+    @property
+    def alive(self) -> bool:
+        return self.last_pong is not None and time.monotonic() - self.last_pong < ALIVE_WINDOW_S
+
+    def new_id(self) -> str:
+        return f"h{next(self._ids)}"
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, msg: dict[str, Any]) -> None:
+        frame = P.encode(msg)
+        if len(frame) > P.MAX_MESSAGE_BYTES:
+            raise ValueError(f"request of {len(frame)} bytes exceeds the limit of {P.MAX_MESSAGE_BYTES}")
+        self._sock.send(frame, zmq.NOBLOCK)
+
+    def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
+                 system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None
+                 ) -> tuple[str, asyncio.Queue]:
+        """Submit a generate request; its replies (delta..., final, or error) arrive on `queue`
+        (a new one unless given: several requests may share one)."""
+        if not self.alive:
+            raise DaemonUnavailable("the dsv4 engine is not answering (loading, busy or stopped)")
+        rid = self.new_id()
+        q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
+        self._queues[rid] = q
+        try:
+            self._send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
+                                  params=params).to_wire())
+        except Exception:
+            self._queues.pop(rid, None)
+            raise
+        return rid, q
+
+    def cancel(self, rid: str) -> None:
+        """Cancel `rid` if it is still running; never raises, never awaits."""
+        if self._queues.pop(rid, None) is None:
+            return
+        try:
+            self._send(P.Cancel(self.new_id(), target=rid).to_wire())
+        except Exception:  # noqa: BLE001  (socket closed at shutdown)
+            pass
+
+    def done(self, rid: str) -> None:
+        """The request finished: forget its queue."""
+        self._queues.pop(rid, None)
+
+    async def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        if not self.alive:
+            raise DaemonUnavailable("the dsv4 engine is not answering")
+        rid = self.new_id()
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[rid] = fut
+        try:
+            self._send(P.Status(rid).to_wire())
+            msg = await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise DaemonUnavailable("the dsv4 engine did not answer 'status'") from None
+        finally:
+            self._calls.pop(rid, None)
+        return dict(msg.get("status") or {})
+
+    # ------------------------------------------------------------------ tasks
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                self._send(P.Ping(self.new_id()).to_wire())
+            except zmq.ZMQError as e:
+                log.warning("ping failed: %s", e)
+            await asyncio.sleep(P.HEARTBEAT_INTERVAL_S)
+
+    async def _reader(self) -> None:
+        while True:
+            frame = await self._sock.recv()
+            try:
+                msg = P.decode_reply(frame)
+            except P.ProtocolError as e:
+                log.warning("bad reply from the daemon: %s", e.message)
+                continue
+            rid = msg.get("id")
+            if msg["type"] == "pong":
+                self.last_pong = time.monotonic()
+                self.daemon = msg
+                continue
+            self.last_pong = time.monotonic()  # any reply shows the daemon is alive
+            fut = self._calls.get(rid)
+            if fut is not None:
+                if not fut.done():
+                    fut.set_result(msg)
+                continue
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(msg)
+                if msg["type"] in ("final", "error"):
+                    self._queues.pop(rid, None)

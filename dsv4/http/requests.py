@@ -1,0 +1,196 @@
+"""OpenAI request bodies -> daemon requests (prompts, sampling parameters, prompt mode).
+
+`parse_completion(body)` and `parse_chat(body, tokenizer)` check the shapes the OpenAI API
+defines and raise `ApiError` (status, one-line message, offending field) for anything
+this server cannot honour; value ranges are checked once, by `SamplingParams.validate`
+in the daemon, whose error becomes a 400 too. Unknown fields are ignored, as OpenAI does.
+
+Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
+rendered to token ids by `Tokenizer.encode_chat` (thinking mode from `thinking`,
+`chat_template_kwargs.thinking` or `reasoning_effort`); a model without them (the
+embedded Shakespeare model) continues the messages' text joined by blank lines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
+_PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
+                "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, etype: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.param = param
+        self.etype = etype or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                               413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.etype, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Parsed:
+    """What one HTTP request asks the daemon for."""
+
+    prompts: list[str | list[int]]
+    params: dict[str, Any]
+    stream: bool = False
+    include_usage: bool = False
+    mode: str = "auto"
+    thinking: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _bad(msg: str, param: str | None = None) -> ApiError:
+    return ApiError(400, msg, param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+    """Sampling parameters, stream, include_usage: the fields completions and chat share."""
+    params: dict[str, Any] = {}
+    for name in _PASSTHROUGH:
+        if body.get(name) is not None:
+            params[name] = body[name]
+    mt, mct = body.get("max_tokens"), body.get("max_completion_tokens")
+    if mt is not None and mct is not None and mt != mct:
+        raise _bad("max_tokens and max_completion_tokens disagree; send one", "max_tokens")
+    if (mt if mt is not None else mct) is not None:
+        params["max_tokens"] = mt if mt is not None else mct
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _bad("stop must be a string or a list of strings", "stop")
+        if stop:
+            params["stop"] = stop
+    n = body.get("n")
+    if n is not None and (not _is_int(n) or n != 1):
+        raise _bad(f"only n = 1 is supported, got {n!r:.40}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise _bad("best_of is not supported", "best_of")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise _bad("logprobs are not supported by this server", "logprobs")
+    if body.get("echo"):
+        raise _bad("echo is not supported by this server", "echo")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise _bad("stream must be true or false", "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise _bad("stream_options is only allowed when stream is true", "stream_options")
+        if not isinstance(opts, dict):
+            raise _bad("stream_options must be an object", "stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+    return params, stream, include_usage
+
+
+def parse_completion(body: dict[str, Any]) -> Parsed:
+    """POST /v1/completions: `prompt` is a string, a list of strings, token ids or lists of token ids."""
+    params, stream, include_usage = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts: list[str | list[int]] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [list(prompt)]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif (isinstance(prompt, list) and prompt
+          and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)):
+        prompts = [list(p) for p in prompt]
+    else:
+        raise _bad("prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+                   "token ids (not empty)", "prompt")
+    if any(isinstance(p, str) and not p for p in prompts) or any(isinstance(p, list) and not p for p in prompts):
+        raise _bad("the prompt is empty", "prompt")
+    if body.get("suffix"):
+        raise _bad("suffix is not supported", "suffix")
+    return Parsed(prompts, params, stream, include_usage, mode="raw")
+
+
+def _content(msg: dict[str, Any], i: int) -> str:
+    c = msg.get("content")
+    if c is None:
+        return ""
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):
+        parts = []
+        for part in c:
+            if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append(part["text"])
+            else:
+                raise _bad(f"messages[{i}].content: only text parts are supported", "messages")
+        return "".join(parts)
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+
+
+def thinking_of(body: dict[str, Any]) -> bool:
+    """DeepSeek's `thinking: {type: enabled}`, vLLM/SGLang's `chat_template_kwargs.thinking`."""
+    t = body.get("thinking")
+    if isinstance(t, dict):
+        return t.get("type") == "enabled"
+    if isinstance(t, bool):
+        return t
+    kw = body.get("chat_template_kwargs")
+    if isinstance(kw, dict):
+        for key in ("thinking", "enable_thinking"):
+            if isinstance(kw.get(key), bool):
+                return kw[key]
+    return False
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    """[{role, content}] with text content; roles system, developer, user, assistant, tool."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a role", "messages")
+        role = m["role"]
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"messages[{i}].role {role!r:.30} is not one of system, developer, user, assistant, tool",
+                       "messages")
+        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+    return out
+
+
+def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
+    """POST /v1/chat/completions: the conversation rendered to one prompt."""
+    params, stream, include_usage = _common(body)
+    msgs = chat_messages(body)
+    if body.get("tools"):
+        raise _bad("tools are not supported by this server", "tools")
+    thinking = thinking_of(body)
+    if tokenizer is not None and tokenizer.has_chat_tokens:
+        prompt: str | list[int] = tokenizer.encode_chat(msgs, thinking=thinking)
+        mode = "raw"
+    else:
+        if thinking:
+            raise _bad("this model has no chat template, so no thinking mode", "thinking")
+        prompt = "\n\n".join(m["content"] for m in msgs if m["content"])
+        if not prompt:
+            raise _bad("the messages are empty", "messages")
+        mode = "raw"
+    return Parsed([prompt], params, stream, include_usage, mode=mode, thinking=thinking)

@@ -1,0 +1,120 @@
+"""`dsv4 serve --http HOST:PORT`: uvicorn in a thread of the daemon, a client of its ROUTER.
+
+    address = parse_address("127.0.0.1:8000", api_key)   # at startup: bad address or key -> HttpError
+    http = HttpServer(address, api_key)
+    http.bind()                    # before the weights load: a port in use fails at once
+    ... engine loaded, ROUTER bound on the daemon endpoint and on INPROC_ENDPOINT ...
+    http.start(zmq_ctx, model_name=..., ...)   # uvicorn's event loop in a thread
+    ... serve_forever ...
+    http.stop()                    # before the ROUTER's context is terminated
+
+The HTTP side talks to the engine only through ZeroMQ messages on the in-process
+endpoint (same context, no socket file, no key), like any other client, so the engine
+loop keeps a single owner.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("dsv4.http")
+
+INPROC_ENDPOINT = "inproc://dsv4-http"
+LOOPBACK_NAMES = ("localhost",)
+
+
+class HttpError(Exception):
+    """A --http setting that cannot work (one line naming the flag)."""
+
+
+@dataclass
+class Address:
+    host: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        if self.host in LOOPBACK_NAMES:
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_address(text: str, api_key: str | None) -> Address:
+    """HOST:PORT (or just PORT, on 127.0.0.1); a non-loopback host needs an API key."""
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", text
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise HttpError(f"--http: expected HOST:PORT with a port in 1..65535, got {text!r}")
+    try:
+        import prometheus_client, starlette, uvicorn  # noqa: F401
+    except ImportError as e:
+        raise HttpError(f"--http needs the http extra ({e.name} is missing): pip install 'dsv4[http]'") from None
+    addr = Address(host, int(port))
+    if not addr.loopback and not api_key:
+        raise HttpError(f"--http {text}: serving beyond this machine (host {host}) needs --api-key "
+                        f"(or DSV4_API_KEY); or use 127.0.0.1")
+    return addr
+
+
+class HttpServer:
+    """One uvicorn server on `address`, run in a daemon thread."""
+
+    def __init__(self, address: Address, api_key: str | None) -> None:
+        self.address, self.api_key = address, api_key
+        self._sock: socket.socket | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def bind(self) -> None:
+        """Bind the listening socket now (before the weights load); raises HttpError."""
+        family = socket.AF_INET6 if ":" in self.address.host else socket.AF_INET
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((self.address.host, self.address.port))
+        except OSError as e:
+            s.close()
+            raise HttpError(f"--http {self.address}: cannot listen there: {e.strerror or e}") from None
+        self._sock = s
+
+    def start(self, zmq_ctx: Any, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any) -> None:
+        import uvicorn
+
+        from dsv4.http.app import Api, build_app
+
+        assert self._sock is not None, "bind() first"
+        api = Api(model_name=model_name, model_path=model_path, max_model_len=max_model_len, tokenizer=tokenizer,
+                  ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key)
+        config = uvicorn.Config(build_app(api), log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=3, ws="none")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="dsv4-http", daemon=True)
+        self._thread.start()
+        log.info("OpenAI-compatible HTTP API on http://%s/v1 (%s)", self.address,
+                 "API key required" if self.api_key else "no API key")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop uvicorn and wait for its thread (its ZeroMQ socket closes with it)."""
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                log.warning("the HTTP server did not stop within %.0f s", timeout_s)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
