@@ -29,7 +29,7 @@ from torch.profiler import record_function
 from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .request import Request
-from .sampling import logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
+from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -108,7 +108,7 @@ class Runner:
         """First tokens of finished prefills (drafts None); accepted drafts + one target
         token per decode row."""
         results: dict[int, StepResult] = {}
-        probs = self._probs(logits, [r for r, _, n, _ in samples for _ in range(n)])
+        probs = self._probs(logits, samples)
         top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
         for req, lo, n, drafts in samples:
             p = probs[lo:lo + n]
@@ -126,9 +126,17 @@ class Runner:
             results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
         return results
 
-    def _probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _probs(self, logits: torch.Tensor, samples) -> torch.Tensor:
+        """Rows of `logits` [R, V] -> probabilities (penalised logits when every row is greedy)."""
+        reqs = [r for r, _, n, _ in samples for _ in range(n)]
         if not reqs:
             return logits
+        if any(r.params.penalized for r in reqs):
+            # row j of a decode comes after drafts 1..j: they count as output for its penalties
+            outs = [r.output_ids + (drafts or [])[:j] for r, _, n, drafts in samples for j in range(n)]
+            ps = [r.params for r in reqs]
+            logits = apply_penalties(logits, [r.prompt_ids for r in reqs], outs, [p.repetition_penalty for p in ps],
+                                     [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps])
         if all(r.params.greedy for r in reqs):
             return logits  # argmax is all greedy needs
         t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=logits.device)  # noqa: E731

@@ -27,6 +27,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 _U64 = 2**64
 MIN_TEMPERATURE = 1e-5  # below this logits / T overflows float32; use 0 for greedy
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculative: bool = True  # False: never draft for this request
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # 0 = off; subtracted from tokens already in the output
+    frequency_penalty: float = 0.0  # 0 = off; subtracted once per earlier occurrence in the output
 
     @classmethod
     def from_dict(cls, d: Any) -> "SamplingParams":
@@ -60,6 +64,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise `RequestError` naming the first bad parameter."""
@@ -88,6 +96,9 @@ class SamplingParams:
             _int("stop_token_ids entry", t, 0)
             if vocab_size is not None and t >= vocab_size:
                 raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
+        _num("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, open_low=True)
+        _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
@@ -115,6 +126,44 @@ def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torc
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g
+
+
+# ------------------------------------------------------------------ penalties
+def apply_penalties(
+    logits: torch.Tensor,  # [N, V]
+    prompts: Sequence[Sequence[int]],  # N token lists: the prompt of each row's request
+    outputs: Sequence[Sequence[int]],  # N token lists: the output before each row (drafts included)
+    repetition: Sequence[float],  # [N], 1 = off
+    presence: Sequence[float],  # [N], 0 = off
+    frequency: Sequence[float],  # [N], 0 = off
+) -> torch.Tensor:  # [N, V] float32, a new tensor
+    """vLLM's (and OpenAI's) penalties, on raw logits before temperature:
+
+    * repetition (CTRL): every token seen in the prompt or the output has its logit divided
+      by the penalty when positive, multiplied by it when negative;
+    * frequency: minus `frequency * count` for a token output `count` times so far;
+    * presence: minus `presence` for a token output at least once.
+
+    Row i's history is prompts[i] + outputs[i]: under speculative verification the row
+    after draft j counts drafts 1..j, so the target distribution at every position is the
+    one a run without drafts would use.
+    """
+    x = logits.float().clone()
+    n, v = x.shape
+    dev = x.device
+    counts = torch.zeros(n, v, device=dev)
+    seen = torch.zeros(n, v, dtype=torch.bool, device=dev)
+    for i in range(n):
+        if outputs[i]:
+            counts[i].index_add_(0, torch.tensor(list(outputs[i]), device=dev), torch.ones(len(outputs[i]), device=dev))
+        if prompts[i]:
+            seen[i, torch.tensor(list(prompts[i]), device=dev)] = True
+    seen |= counts > 0
+    rep = torch.tensor(list(repetition), dtype=torch.float32, device=dev)[:, None]  # [N, 1]
+    x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    x -= torch.tensor(list(frequency), dtype=torch.float32, device=dev)[:, None] * counts
+    x -= torch.tensor(list(presence), dtype=torch.float32, device=dev)[:, None] * (counts > 0).float()
+    return x
 
 
 # ------------------------------------------------------------------ logits -> probs

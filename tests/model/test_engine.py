@@ -41,6 +41,32 @@ def test_greedy_with_mtp_equals_without(ckpt, limit):
         assert out == ref, (K, seqs)
 
 
+def test_penalties_with_mtp_equal_without(ckpt):
+    """The penalty of verify row j counts drafts 1..j, so greedy output with penalties is the
+    same with K = 0, 1, 3; and the penalties do change the output."""
+    prompts = _prompts([5, 40, 130], seed=9)
+    pen = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
+                         frequency_penalty=0.3)
+    ref = [c.token_ids for c in LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=4,
+                                    max_model_len=512).generate(prompts, pen)]
+    plain = [c.token_ids for c in LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=4, max_model_len=512)
+             .generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
+    assert ref != plain
+    by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
+
+    def oracle(req, out_so_far, proposed):  # drafts that verification accepts, so they must count
+        i = len(out_so_far)
+        return (by_prompt[tuple(req.prompt_ids)][i:] + [0] * len(proposed))[:len(proposed)]
+
+    for K, drafter in ((1, None), (1, oracle), (3, oracle)):
+        llm = LLM(ckpt[0], num_speculative_tokens=K, max_num_seqs=4, max_model_len=512)
+        llm.engine.runner.draft_override = drafter
+        out = llm.generate(prompts, pen)
+        assert [c.token_ids for c in out] == ref, K
+        if drafter is not None:
+            assert sum(c.metrics["spec"]["accepted"] for c in out) > 3 * K
+
+
 def test_greedy_unchunked(ckpt):
     prompts = _prompts([1, 2, 60, 100])
     kw = dict(enable_chunked_prefill=False, max_model_len=128)

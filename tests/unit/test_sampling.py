@@ -252,3 +252,38 @@ def test_tiny_temperature_rejected_and_overflow_falls_back_to_argmax() -> None:
     probs = logits_to_probs(logits, one, torch.zeros(2, dtype=torch.long), one, torch.zeros(2))
     assert torch.equal(probs[0], torch.tensor([0.0, 1.0, 0.0]))
     assert torch.isfinite(probs).all()
+
+
+# ------------------------------------------------------------------ penalties
+def test_penalties_by_hand():
+    from dsv4.engine.sampling import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+    # prompt has token 0; output has token 1 twice and token 3 once
+    out = apply_penalties(logits, [[0]], [[1, 3, 1]], [2.0], [0.5], [0.25])
+    want = torch.tensor([[2.0 / 2,  # seen in the prompt: positive / 2; no output counts
+                          -1.0 * 2 - 0.25 * 2 - 0.5,  # negative * 2, twice in the output, present
+                          0.5,  # never seen
+                          3.0 / 2 - 0.25 - 0.5,
+                          -2.0]])
+    assert torch.allclose(out, want)
+    assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]]))  # input untouched
+
+
+def test_penalties_off_change_nothing_and_rows_are_independent():
+    from dsv4.engine.sampling import apply_penalties
+
+    logits = torch.randn(3, 7, generator=torch.Generator().manual_seed(0))
+    same = apply_penalties(logits, [[1, 2], [], [6]], [[3], [4, 4], []], [1.0] * 3, [0.0] * 3, [0.0] * 3)
+    assert torch.equal(same, logits)
+    out = apply_penalties(logits, [[], [], []], [[], [5], []], [1.0, 1.3, 1.0], [0.0] * 3, [0.0] * 3)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert out[1, 5] < logits[1, 5] and torch.equal(out[1, :5], logits[1, :5])
+
+
+@pytest.mark.parametrize("name,value", [("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+                                        ("presence_penalty", 2.5), ("frequency_penalty", -3.0),
+                                        ("presence_penalty", "a")])
+def test_penalty_ranges(name, value):
+    with pytest.raises(RequestError, match=name):
+        SamplingParams(**{name: value}).validate()
