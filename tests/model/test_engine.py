@@ -41,25 +41,25 @@ def test_greedy_with_mtp_equals_without(ckpt, limit):
         assert out == ref, (K, seqs)
 
 
-def test_penalties_with_mtp_equal_without(ckpt):
+def test_penalties_with_mtp_equal_without(tmp_path):
     """The penalty of verify row j counts drafts 1..j, so greedy output with penalties is the
-    same with K = 0, 1, 3; and the penalties do change the output."""
-    prompts = _prompts([5, 40, 130], seed=9)
+    same with K = 0, 1, 3 (a vocabulary of 8, where tokens repeat and penalties decide);
+    the drafts are an oracle's, so verification accepts many and they must count."""
+    write_tiny_checkpoint(tmp_path, vocab_size=8, with_tokenizer=False, seed=7)
+    prompts = [[3, 5, 2, 7], [1, 1, 4], [6, 2, 2, 2, 5, 0, 1]]
     pen = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.3, presence_penalty=0.4,
                          frequency_penalty=0.3)
-    ref = [c.token_ids for c in LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=4,
-                                    max_model_len=512).generate(prompts, pen)]
-    plain = [c.token_ids for c in LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=4, max_model_len=512)
-             .generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
-    assert ref != plain
+    mk = lambda K: LLM(tmp_path, num_speculative_tokens=K, max_num_seqs=4, max_model_len=64)  # noqa: E731
+    ref = [c.token_ids for c in mk(0).generate(prompts, pen)]
+    assert ref != [c.token_ids for c in mk(0).generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))]
     by_prompt = {tuple(p): r for p, r in zip(prompts, ref)}
 
-    def oracle(req, out_so_far, proposed):  # drafts that verification accepts, so they must count
+    def oracle(req, out_so_far, proposed):
         i = len(out_so_far)
         return (by_prompt[tuple(req.prompt_ids)][i:] + [0] * len(proposed))[:len(proposed)]
 
     for K, drafter in ((1, None), (1, oracle), (3, oracle)):
-        llm = LLM(ckpt[0], num_speculative_tokens=K, max_num_seqs=4, max_model_len=512)
+        llm = mk(K)
         llm.engine.runner.draft_override = drafter
         out = llm.generate(prompts, pen)
         assert [c.token_ids for c in out] == ref, K
