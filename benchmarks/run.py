@@ -168,7 +168,7 @@ def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=dsv4.DEFAULT_MODEL)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/shakespeare")
+    ap.add_argument("--data", type=Path, default=ROOT / "data/shakespeare")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, else bfloat16)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")

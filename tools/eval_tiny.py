@@ -66,7 +66,7 @@ def acceptance(model_dir: Path, prompts: list[list[int]], gen: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path, nargs="?", default=dsv4.DEFAULT_MODEL)
-    ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/shakespeare")
+    ap.add_argument("--data", type=Path, default=ROOT / "data/shakespeare")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--gen", type=int, default=64)
     a = ap.parse_args()

@@ -192,7 +192,7 @@ def bench(
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
-    num_speculative_tokens: O.NumSpec = None,
+    num_speculative_tokens: O.NumSpec = None, threads: O.Threads = None,
 ) -> None:
     levels = _int_list("--concurrency", concurrency)
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
@@ -201,7 +201,8 @@ def bench(
     engine = O.local_engine_kwargs(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
-        enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens)
+        enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
+        threads=threads)
     from dsv4.daemon.paths import resolve_endpoint
 
     backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket))
@@ -212,7 +213,9 @@ def bench(
             raise CliError("the daemon did not report its vocabulary size; use --dataset FILE")
         rng = random.Random(seed)
         prompts, source = _prompts(dataset, num_prompts + warmup, prompt_len, vocab, info.get("model"), rng)
-        params = {"max_tokens": gen_len, "ignore_eos": True, "temperature": 0.0}
+        # greedy and no penalties, whatever the model's generation_config.json says: exact and comparable
+        params = {"max_tokens": gen_len, "ignore_eos": True, "temperature": 0.0, "repetition_penalty": 1.0,
+                  "presence_penalty": 0.0, "frequency_penalty": 0.0}
         total = len(levels) * len(arms) * (num_prompts + warmup)
         results = _measure(backend, prompts, params, levels, arms, warmup, total)
     finally:

@@ -57,7 +57,7 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    socket: O.Socket = None, http: O.Http = None, api_key: O.ApiKey = None,
+    threads: O.Threads = None, socket: O.Socket = None, http: O.Http = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -69,7 +69,7 @@ def serve(
                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-                         seed=seed, profile_dir=profile)
+                         seed=seed, profile_dir=profile, threads=threads)
     config = O.build_config(kw)  # validation only: no weights are read
     http_server = None
     if http is not None:

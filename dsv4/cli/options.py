@@ -83,6 +83,10 @@ Profile = Annotated[Optional[Path], typer.Option(
     "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL, envvar="DSV4_PROFILE_DIR", show_envvar=False,
     help="Write torch profiler traces of engine steps (prefill chunks, verify, MTP) into DIR; off by default "
          "[env: DSV4_PROFILE_DIR]")]
+Threads = Annotated[Optional[int], typer.Option(
+    "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, min=1,
+    help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
+         "[default: the CPUs this process may use, at most 16]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -90,7 +94,7 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
-    "seed": "--seed", "profile_dir": "--profile",
+    "seed": "--seed", "profile_dir": "--profile", "threads": "--threads",
 }
 
 

@@ -30,14 +30,30 @@ def run(
         show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, help="Most tokens to generate.")]
     = 256,
-    temperature: Annotated[float, typer.Option("--temperature", metavar="T", min=0.0,
-                                               help="Sampling temperature; 0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option("--top-p", metavar="P", min=0.0, max=1.0,
-                                         help="Nucleus sampling: keep the top tokens with this much mass.")] = 1.0,
-    top_k: Annotated[int, typer.Option("--top-k", metavar="K", min=0, help="Keep the K most likely tokens; 0 = all.")]
-    = 0,
-    min_p: Annotated[float, typer.Option("--min-p", metavar="P", min=0.0, max=1.0,
-                                         help="Keep tokens with probability >= P times the top one; 0 = off.")] = 0.0,
+    temperature: Annotated[Optional[float], typer.Option(
+        "--temperature", metavar="T", min=0.0, show_default=False,
+        help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
+    top_p: Annotated[Optional[float], typer.Option(
+        "--top-p", metavar="P", min=0.0, max=1.0, show_default=False,
+        help="Nucleus sampling: keep the top tokens with this much mass [default: the model's, else 1 = off]")]
+    = None,
+    top_k: Annotated[Optional[int], typer.Option(
+        "--top-k", metavar="K", min=0, show_default=False,
+        help="Keep the K most likely tokens; 0 = all [default: the model's, else 0]")] = None,
+    min_p: Annotated[Optional[float], typer.Option(
+        "--min-p", metavar="P", min=0.0, max=1.0, show_default=False,
+        help="Keep tokens with probability >= P times the top one; 0 = off [default: the model's, else 0]")]
+    = None,
+    repetition_penalty: Annotated[Optional[float], typer.Option(
+        "--repetition-penalty", metavar="R", show_default=False,
+        help="Divide the logits of tokens already in the prompt or output by R (> 1 discourages repeats) "
+             "[default: the model's, else 1 = off]")] = None,
+    presence_penalty: Annotated[Optional[float], typer.Option(
+        "--presence-penalty", metavar="P", show_default=False,
+        help="Subtract P from tokens already generated, -2..2 [default: the model's, else 0]")] = None,
+    frequency_penalty: Annotated[Optional[float], typer.Option(
+        "--frequency-penalty", metavar="F", show_default=False,
+        help="Subtract F per earlier occurrence in the output, -2..2 [default: the model's, else 0]")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0,
                                                 help="Seed for sampling (reproducible output).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT",
@@ -62,18 +78,21 @@ def run(
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
-    num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None,
+    num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None, threads: O.Threads = None,
 ) -> None:
     engine = O.local_engine_kwargs(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-        profile_dir=profile)
+        profile_dir=profile, threads=threads)
     if raw and (system is not None or think):
         raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
     text = read_prompt(prompt)
-    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-                              "min_p": min_p, "ignore_eos": ignore_eos, "speculative": not no_mtp}
+    params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
+    given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
+             "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
+             "frequency_penalty": frequency_penalty}
+    params.update({k: v for k, v in given.items() if v is not None})  # the rest: the model's defaults
     if seed is not None:
         params["seed"] = seed
     if stop:
@@ -270,7 +289,7 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> 
 
     config = O.build_config(kw)
     try:
-        params = SamplingParams.from_dict(request["params"])
+        params = SamplingParams.from_dict({**config.sampling_defaults, **request["params"]})
     except RequestError as e:
         raise CliError(str(e), O.EXIT_USAGE) from None
     engine = load_engine(config)

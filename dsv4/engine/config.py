@@ -59,9 +59,11 @@ class EngineConfig:
     prefill_limit: int | None = None
     seed: int = 0
     profile_dir: str | None = None
+    threads: int | None = None  # torch CPU threads; None = default_threads()
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
+    sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -82,6 +84,10 @@ class EngineConfig:
                                     f"got {self.enable_chunked_prefill!r}")
         if self.profile_dir is not None:
             set_("profile_dir", _check_profile_dir(self.profile_dir))
+        if self.threads is None:
+            set_("threads", default_threads())
+        _check_int("--threads", self.threads, minimum=1)
+        set_("sampling_defaults", generation_defaults(Path(self.model)))
 
         try:
             mc = ModelConfig.from_dir(self.model)
@@ -195,10 +201,49 @@ class EngineConfig:
             f"effective prefill chunk size {self.effective_chunk_size}"
             + (" (single dispatch)" if self.single_dispatch else ""),
             f"speculative tokens K = {self.num_speculative_tokens} (MTP weights: {'yes' if self.has_mtp else 'no'})",
+            f"CPU threads {self.threads}; default sampling "
+            + (", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()) + " (generation_config.json)"
+               if self.sampling_defaults else "greedy (no generation_config.json)"),
             "chunked prefill with speculative decoding: "
             + ("supported" if self.model_config.speculation_spans_chunks
                else "not supported by this model (prompts go in one dispatch when K > 0)"),
         ]
+
+
+# ---------------------------------------------------------------------- defaults
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                   "frequency_penalty")
+MAX_DEFAULT_THREADS = 16
+
+
+def default_threads() -> int:
+    """The CPUs this process may run on (its affinity mask, so a container's or taskset's
+    limit counts), at most MAX_DEFAULT_THREADS: one decode step of a small batch gains
+    little from more, and a thread per core of a shared machine oversubscribes it."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_DEFAULT_THREADS))
+
+
+def generation_defaults(model_dir: Path) -> dict:
+    """Default sampling parameters from the model's generation_config.json, as vLLM reads it:
+    the keys of GENERATION_KEYS that it sets (`do_sample: false` means greedy). Values are
+    checked by `SamplingParams.validate` when the engine starts."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise EngineConfigError(f"--model {model_dir}: cannot read generation_config.json: {e}") from None
+    if not isinstance(raw, dict):
+        raise EngineConfigError(f"--model {model_dir}: generation_config.json is not a JSON object")
+    out = {k: raw[k] for k in GENERATION_KEYS if raw.get(k) is not None}
+    if raw.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
 
 
 # ---------------------------------------------------------------------- checks

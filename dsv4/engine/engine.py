@@ -11,6 +11,7 @@ The daemon and the offline `LLM` API both drive this same loop.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ class Engine:
     def __init__(self, config: EngineConfig, *, progress: Callable[[int, int], None] | None = None):
         self.config = config
         self.device = torch.device(config.device)
+        try:  # the model's defaults must be valid before any weight loads
+            self.default_params = SamplingParams.from_dict(dict(config.sampling_defaults))
+        except RequestError as e:
+            raise RequestError(f"--model {config.model}: generation_config.json: {e}") from None
+        torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
@@ -100,8 +106,9 @@ class Engine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_mode: str = "auto", system: str | None = None,
                     thinking: bool = False) -> str:
-        """Queue a request; raises `RequestError` (for this request alone) when it cannot run."""
-        params = params or SamplingParams()
+        """Queue a request; raises `RequestError` (for this request alone) when it cannot run.
+        Without `params`, the model's defaults (`make_params({})`) apply."""
+        params = params or dataclasses.replace(self.default_params)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
                                "(use stop_token_ids)")
@@ -121,6 +128,13 @@ class Engine:
         self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop)),
                                    RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
         return rid
+
+    def make_params(self, fields: dict[str, Any]) -> SamplingParams:
+        """SamplingParams from a request's fields over the model's generation_config.json
+        defaults (fields given win; `temperature: 0` stays greedy); raises `RequestError`."""
+        if not isinstance(fields, dict):
+            raise RequestError(f"sampling parameters must be a map, got {type(fields).__name__}")
+        return SamplingParams.from_dict({**self.config.sampling_defaults, **fields})
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free at once. False if it is not live."""

@@ -13,7 +13,7 @@ from dsv4.engine.config import EngineConfig
 from dsv4.engine.tokenizer import Tokenizer
 from dsv4.model.loader import load_model
 
-HELDOUT = Path(__file__).resolve().parents[3] / "shared/data/shakespeare/heldout"
+HELDOUT = Path(__file__).resolve().parents[2] / "data/shakespeare/heldout"
 
 
 @pytest.fixture(scope="module")
