@@ -86,7 +86,7 @@ Profile = Annotated[Optional[Path], typer.Option(
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, min=1,
     help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
-         "[default: the CPUs this process may use, at most 16]")]
+         "[default: $OMP_NUM_THREADS, else the CPUs this process may use, at most 16]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {

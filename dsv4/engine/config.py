@@ -217,9 +217,13 @@ MAX_DEFAULT_THREADS = 16
 
 
 def default_threads() -> int:
-    """The CPUs this process may run on (its affinity mask, so a container's or taskset's
-    limit counts), at most MAX_DEFAULT_THREADS: one decode step of a small batch gains
-    little from more, and a thread per core of a shared machine oversubscribes it."""
+    """$OMP_NUM_THREADS when set, else the CPUs this process may run on (its affinity mask,
+    so a container's or taskset's limit counts), at most MAX_DEFAULT_THREADS: one decode
+    step of a small batch gains little from more, and a thread per core of a shared
+    machine oversubscribes it."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
     try:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
