@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover
 from dsv4 import __version__
 from dsv4.cli import options as O
 from dsv4.cli.bench import bench
+from dsv4.cli.chat import chat
 from dsv4.cli.run import run
 from dsv4.cli.options import CliError
 from dsv4.daemon.paths import resolve_endpoint
@@ -35,6 +36,8 @@ app = typer.Typer(
     help="Serve DeepSeek V4 from one machine: a long-lived daemon holds the model, the CLI talks to it.",
 )
 app.command("run", help="Generate text for a prompt (argument, '-' or piped stdin); stream it to stdout.")(run)
+app.command("chat", help="Chat with the daemon's model interactively: history, /set, /clear, /bye; "
+                         "Ctrl-C cancels the current answer.")(chat)
 app.command("bench", help="Benchmark the daemon (or --local): TTFT, TPOT, throughput, MTP acceptance, "
                           "MTP on versus off.")(bench)
 

@@ -87,7 +87,6 @@ def run(
         profile_dir=profile, threads=threads)
     if raw and (system is not None or think):
         raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
-    text = read_prompt(prompt)
     params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,
@@ -95,6 +94,11 @@ def run(
     params.update({k: v for k, v in given.items() if v is not None})  # the rest: the model's defaults
     if seed is not None:
         params["seed"] = seed
+    if prompt is None and not local and not as_json and _isatty(sys.stdin) and _isatty(sys.stdout):
+        from dsv4.cli.chat import run_chat  # no prompt on a terminal: an interactive session
+
+        raise typer.Exit(run_chat(socket, system, think, params))
+    text = read_prompt(prompt)
     if stop:
         params["stop"] = list(stop)
     request = dict(prompt=text, params=params, mode="raw" if raw else "auto", system=system, thinking=think)

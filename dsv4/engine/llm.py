@@ -12,7 +12,9 @@ from typing import Any, Iterator, Sequence
 from .. import DEFAULT_MODEL
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
+from .request import RequestError
 from .sampling import SamplingParams
+from .tokenizer import TokenizerError, chat_prompt
 
 
 @dataclass
@@ -46,6 +48,21 @@ class LLM:
             for out in self.engine.step():
                 _merge(done[out.request_id], out)
         return [done[r] for r in order]
+
+    def chat(self, messages: Sequence[dict] | Sequence[Sequence[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, thinking: bool = False
+             ) -> list[Completion]:
+        """Answer one conversation ([{role, content}, ...]) or several; one Completion each.
+
+        With DeepSeek's chat tokens the conversation goes through its chat template
+        (`thinking` ends the prompt with `<think>`); a model without them (the embedded
+        one) continues the messages' text, one per line."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        try:
+            prompts = [chat_prompt(self.engine.tokenizer, c, thinking=thinking) for c in convs]  # type: ignore[arg-type]
+        except TokenizerError as e:
+            raise RequestError(str(e)) from None
+        return self.generate(prompts, params, prompt_mode="raw")  # type: ignore[arg-type]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                **prompt_options: Any) -> Iterator[RequestOutput]:

@@ -242,3 +242,18 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self.ids)
         self._emitted = 0
         return out
+
+
+def chat_prompt(tokenizer: Tokenizer | None, messages: Sequence[dict], *, thinking: bool = False) -> str | list[int]:
+    """The prompt for a conversation, sent raw: token ids through DeepSeek's chat template
+    when the tokenizer has its chat tokens (`Tokenizer.encode_chat`), else plain
+    continuation text, each message's content on its own line, ending with a newline
+    (the embedded Shakespeare model, which has no chat template)."""
+    if tokenizer is not None and tokenizer.has_chat_tokens:
+        return tokenizer.encode_chat(messages, thinking=thinking)
+    if thinking:
+        raise TokenizerError("this model has no chat template, so no thinking mode")
+    text = "".join(str(m.get("content") or "") + "\n" for m in messages if m.get("content"))
+    if not text:
+        raise TokenizerError("the messages are empty")
+    return text

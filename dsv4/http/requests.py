@@ -8,13 +8,15 @@ in the daemon, whose error becomes a 400 too. Unknown fields are ignored, as Ope
 Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
 rendered to token ids by `Tokenizer.encode_chat` (thinking mode from `thinking`,
 `chat_template_kwargs.thinking` or `reasoning_effort`); a model without them (the
-embedded Shakespeare model) continues the messages' text joined by blank lines.
+embedded Shakespeare model) continues the messages' text, one per line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -183,14 +185,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     if body.get("tools"):
         raise _bad("tools are not supported by this server", "tools")
     thinking = thinking_of(body)
-    if tokenizer is not None and tokenizer.has_chat_tokens:
-        prompt: str | list[int] = tokenizer.encode_chat(msgs, thinking=thinking)
-        mode = "raw"
-    else:
-        if thinking:
-            raise _bad("this model has no chat template, so no thinking mode", "thinking")
-        prompt = "\n\n".join(m["content"] for m in msgs if m["content"])
-        if not prompt:
-            raise _bad("the messages are empty", "messages")
-        mode = "raw"
-    return Parsed([prompt], params, stream, include_usage, mode=mode, thinking=thinking)
+    try:
+        prompt = chat_prompt(tokenizer, msgs, thinking=thinking)
+    except TokenizerError as e:
+        raise _bad(str(e), "messages") from None
+    return Parsed([prompt], params, stream, include_usage, mode="raw", thinking=thinking)

@@ -224,3 +224,28 @@ def test_train_tokenizer_tool(tmp_path: Path) -> None:
     tok = Tokenizer.from_dir(out)
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == (0, 1, 2) and not tok.has_chat_tokens
     assert tok.decode(tok.encode("Ünïcödé 🎭 " + SHAKESPEARE)) == "Ünïcödé 🎭 " + SHAKESPEARE
+
+
+def test_multi_turn_chat_prompt(ds: Tokenizer, hf: HFTokenizer) -> None:
+    from dsv4.engine.tokenizer import chat_prompt
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+    full = ("<｜begin▁of▁sentence｜>Be brief.<｜User｜>Hi<｜Assistant｜></think>Hello.<｜end▁of▁sentence｜>"
+            "<｜User｜>2+2?<｜Assistant｜>")
+    assert ds.encode_chat(msgs) == hf.encode(full + "</think>", add_special_tokens=False).ids
+    assert ds.encode_chat(msgs, thinking=True) == hf.encode(full + "<think>", add_special_tokens=False).ids
+    assert chat_prompt(ds, msgs) == ds.encode_chat(msgs)
+    one = [{"role": "user", "content": "Hi"}]
+    assert ds.encode_chat(one) == ds.encode_prompt("Hi", mode="chat")
+
+
+def test_chat_prompt_without_template_is_plain_continuation() -> None:
+    from dsv4.engine.tokenizer import chat_prompt
+
+    tiny = Tokenizer.from_dir(TINY_DIR)
+    msgs = [{"role": "user", "content": "ROMEO:"}, {"role": "assistant", "content": "O, she doth teach"},
+            {"role": "user", "content": "JULIET:"}]
+    assert chat_prompt(tiny, msgs) == "ROMEO:\nO, she doth teach\nJULIET:\n"
+    with pytest.raises(TokenizerError, match="thinking"):
+        chat_prompt(tiny, msgs, thinking=True)

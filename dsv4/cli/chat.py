@@ -1,0 +1,171 @@
+"""`dsv4 chat` (and `dsv4 run` with no prompt on a terminal): an interactive session with the daemon.
+
+    >>> Who art thou?          a turn: the whole conversation goes to the daemon, the answer streams
+    >>> /set temperature 0.7   change a sampling parameter for the next turns (/set shows them)
+    >>> /clear                 forget the conversation
+    >>> /bye                   leave (Ctrl-D too)
+
+A model whose tokenizer has DeepSeek's chat tokens gets the conversation rendered with its
+chat template (`Tokenizer.encode_chat`, token ids sent raw); a model without them (the
+embedded Shakespeare model) continues the transcript: everything said so far, each turn
+on its own line. Line editing and history come from `readline` when Python has it.
+Ctrl-C while an answer streams cancels that answer (the daemon frees its slot) and the
+session goes on; Ctrl-C at the prompt clears the line.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from typing import Annotated
+
+import typer
+
+from dsv4.cli import options as O
+from dsv4.cli.options import CliError
+
+PROMPT = ">>> "
+HELP = ("commands: /set NAME VALUE (temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
+        "frequency_penalty, max_tokens, seed), /set (show), /clear, /bye")
+SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float,
+            "presence_penalty": float, "frequency_penalty": float, "max_tokens": int, "seed": int}
+
+
+class Session:
+    """The conversation and the parameters of one chat; `turn(text)` returns the prompt to send."""
+
+    def __init__(self, tokenizer: Any, system: str | None = None, thinking: bool = False) -> None:
+        self.tokenizer, self.system, self.thinking = tokenizer, system, thinking
+        self.template = tokenizer is not None and tokenizer.has_chat_tokens
+        self.messages: list[dict[str, str]] = []
+        self.params: dict[str, Any] = {"max_tokens": 256}
+
+    def clear(self) -> None:
+        self.messages = []
+
+    def command(self, line: str) -> str | None:
+        """Run a /command; returns what to print, or None for /bye. Raises ValueError on a bad one."""
+        parts = line.split()
+        name = parts[0].lower()
+        if name in ("/bye", "/exit", "/quit"):
+            return None
+        if name == "/clear":
+            self.clear()
+            return "(conversation cleared)"
+        if name == "/set":
+            if len(parts) == 1:
+                return ", ".join(f"{k} {v}" for k, v in self.params.items()) + " (others: the model's defaults)"
+            if len(parts) != 3 or parts[1] not in SETTABLE:
+                raise ValueError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTABLE)}")
+            try:
+                self.params[parts[1]] = SETTABLE[parts[1]](parts[2])
+            except ValueError:
+                raise ValueError(f"{parts[1]} takes a number, got {parts[2]!r}") from None
+            return f"{parts[1]} = {self.params[parts[1]]}"
+        if name in ("/help", "/?"):
+            return HELP
+        raise ValueError(f"unknown command {name}; {HELP}")
+
+    def prompt(self, user_text: str) -> tuple[str | list[int], str]:
+        """The prompt for the conversation plus `user_text`, and its mode (raw)."""
+        from dsv4.engine.tokenizer import chat_prompt
+
+        msgs = self.messages + [{"role": "user", "content": user_text}]
+        if self.template and self.system:
+            msgs = [{"role": "system", "content": self.system}] + msgs
+        return chat_prompt(self.tokenizer, msgs, thinking=self.thinking and self.template), "raw"
+
+    def answered(self, user_text: str, answer: str) -> None:
+        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+
+
+def _readline() -> Callable[[str], str]:
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # pragma: no cover
+        pass
+    return input
+
+
+def run_chat(socket: str | None, system: str | None = None, thinking: bool = False,
+             params: Optional[dict[str, Any]] = None) -> int:
+    """The interactive loop against the daemon; returns the exit status."""
+    from dsv4.daemon.client import Client, DaemonError
+    from dsv4.daemon.paths import resolve_endpoint
+    from dsv4.engine.tokenizer import Tokenizer, TokenizerError
+
+    read = _readline()
+    with Client(resolve_endpoint(socket)) as client:
+        client.connect()
+        model = str(client.status().get("model") or "")
+        try:
+            tokenizer = Tokenizer.from_dir(model) if model and Path(model).is_dir() else None
+        except TokenizerError:
+            tokenizer = None
+        session = Session(tokenizer, system, thinking)
+        session.params.update(params or {})
+        O.err(f"dsv4 chat with {Path(model).name or 'the daemon'} "
+              f"({'chat template' if session.template else 'plain continuation'}); /bye to leave, /? for help")
+        while True:
+            try:
+                line = read(PROMPT)
+            except EOFError:
+                print(file=sys.stderr)
+                return O.EXIT_OK
+            except KeyboardInterrupt:
+                print("^C", file=sys.stderr)
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text.startswith("/"):
+                try:
+                    out = session.command(text)
+                except ValueError as e:
+                    O.err(str(e))
+                    continue
+                if out is None:
+                    return O.EXIT_OK
+                O.err(out)
+                continue
+            prompt, mode = session.prompt(text)
+            answer: list[str] = []
+            rid = None
+            try:
+                rid = client.generate(prompt, dict(session.params), mode=mode)
+                for msg in client.stream(rid):
+                    if msg["type"] == "delta":
+                        answer.append(msg.get("text") or "")
+                        sys.stdout.write(msg.get("text") or "")
+                        sys.stdout.flush()
+                    elif msg.get("error"):
+                        O.err(f"\ndsv4: {msg['error']}")
+                print()
+                session.answered(text, "".join(answer))
+            except KeyboardInterrupt:
+                if rid is not None:
+                    client.cancel(rid)
+                print("\n(answer cancelled)", file=sys.stderr)
+            except DaemonError as e:
+                O.err(f"dsv4: {e.message}" + (" (/clear starts over)" if "max_model_len" in e.message else ""))
+
+
+def chat(
+    system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT",
+                                                  help="System prompt (models with a chat template).")] = None,
+    think: Annotated[bool, typer.Option("--think", help="Thinking mode (models with a chat template).")] = False,
+    temperature: Annotated[Optional[float], typer.Option(
+        "--temperature", metavar="T", min=0.0, show_default=False,
+        help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1,
+                                            help="Most tokens per answer.")] = 256,
+    socket: O.Socket = None,
+) -> None:
+    if not sys.stdin.isatty():
+        raise CliError("dsv4 chat needs a terminal; use 'dsv4 run' in pipelines", O.EXIT_USAGE)
+    params: dict[str, Any] = {"max_tokens": max_tokens}
+    if temperature is not None:
+        params["temperature"] = temperature
+    raise typer.Exit(run_chat(socket, system, think, params))

@@ -1,0 +1,82 @@
+"""`dsv4 chat` on a real pseudo-terminal against the session's daemon: turns, /set, /clear,
+Ctrl-C cancelling an answer (not the session), /bye."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import select
+import subprocess
+import termios
+import time
+
+from tests.e2e.util import CMD, env_for, status, wait_until
+
+
+def _controlling_tty() -> None:
+    """In the child: a new session whose controlling terminal is the pty, so ^C sends SIGINT."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Pty:
+    def __init__(self, *args: str, endpoint: str) -> None:
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen([*CMD, *args], stdin=slave, stdout=slave, stderr=slave,
+                                     env=env_for(endpoint, TERM="dumb"), preexec_fn=_controlling_tty)
+        os.close(slave)
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 60) -> str:
+        """Read until `text` appears after what earlier expects consumed; returns what came before it."""
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{text!r} not seen; got {self.seen[-500:]!r}"
+            if select.select([self.master], [], [], min(left, 0.5))[0]:
+                try:
+                    self.seen += os.read(self.master, 4096).decode(errors="replace")
+                except OSError:
+                    break
+        assert text in self.seen, f"{text!r} not seen; got {self.seen[-500:]!r}"
+        before, _, self.seen = self.seen.partition(text)
+        return before
+
+    def send(self, text: str) -> None:
+        os.write(self.master, text.encode())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        os.close(self.master)
+
+
+def test_chat_session(daemon):
+    t = Pty("chat", "--max-tokens", "6", endpoint=daemon.endpoint)
+    try:
+        t.expect("plain continuation")
+        t.expect(">>> ")
+        t.send("/set temperature 0\r")
+        t.expect("temperature = 0.0")
+        t.expect(">>> ")
+        t.send("ROMEO:\r")
+        first = t.expect(">>> ")
+        assert first.strip().startswith("ROMEO:") and len(first.strip()) > len("ROMEO:")
+        t.send("/set max_tokens 900\r")
+        t.expect("max_tokens = 900")
+        t.expect(">>> ")
+        t.send("Speak on\r")
+        assert wait_until(lambda: status(daemon.endpoint)["in_flight"] == 1, timeout=30)
+        t.send("\x03")  # Ctrl-C: cancels this answer only
+        t.expect("(answer cancelled)")
+        t.expect(">>> ")
+        assert wait_until(lambda: status(daemon.endpoint)["in_flight"] == 0, timeout=10)
+        t.send("/clear\r")
+        t.expect("(conversation cleared)")
+        t.expect(">>> ")
+        t.send("/bye\r")
+        assert t.proc.wait(20) == 0
+    finally:
+        t.close()
