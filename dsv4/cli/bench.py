@@ -36,7 +36,8 @@ class _Record:
         self.done: float | None = None
 
     def metrics(self) -> dict[str, Any]:
-        n = sum(k for _, k in self.chunks)
+        usage = self.final.get("usage") or {}
+        n = int(usage.get("completion_tokens") or sum(k for _, k in self.chunks))  # tokens, not chunks
         ttft = self.chunks[0][0] - self.sent if self.chunks else None
         e2e = (self.done or time.monotonic()) - self.sent
         tpot = (e2e - ttft) / (n - 1) if ttft is not None and n > 1 else None
@@ -109,8 +110,9 @@ def _run_arm(backend: Any, prompts: list[list[int]], params: dict[str, Any], con
             now = time.monotonic()
             if msg["type"] == "error":
                 raise CliError(f"daemon rejected a benchmark request: {msg.get('message')}")
-            if msg["type"] == "delta" and msg.get("token_ids"):
-                rec.chunks.append((now, len(msg["token_ids"])))
+            n = len(msg.get("token_ids") or []) or msg.get("n", 0)  # HTTP deltas carry text, counted 1
+            if msg["type"] == "delta" and n:
+                rec.chunks.append((now, n))
             elif msg["type"] == "final":
                 if msg.get("finish_reason") in ("error", "abort"):
                     raise CliError(f"a benchmark request failed: {msg.get('error') or msg.get('finish_reason')}")
@@ -120,10 +122,12 @@ def _run_arm(backend: Any, prompts: list[list[int]], params: dict[str, Any], con
     return done, time.monotonic() - t0
 
 
-def _summarise(records: list[_Record], wall: float, concurrency: int, mtp: str) -> dict[str, Any]:
+def _summarise(records: list[_Record], wall: float, concurrency: int, mtp: str,
+               spec: dict[str, float] | None = None) -> dict[str, Any]:
     ms = [r.metrics() for r in records]
     tokens = sum(m["tokens"] for m in ms)
-    drafted, accepted, steps = (sum(m[k] for m in ms) for k in ("drafted", "accepted", "steps"))
+    drafted, accepted, steps = (int(spec[k]) if spec is not None else sum(m[k] for m in ms)
+                                for k in ("drafted", "accepted", "steps"))
     pick = lambda k: [m[k] for m in ms if m[k] is not None]  # noqa: E731
     return {
         "concurrency": concurrency, "mtp": mtp, "requests": len(ms), "wall_s": wall, "output_tokens": tokens,
@@ -187,6 +191,12 @@ def bench(
     = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed for choosing the prompts.")] = 0,
     socket: O.Socket = None,
+    http: Annotated[Optional[str], typer.Option(
+        "--http", metavar="URL", help="Benchmark an OpenAI-compatible server (dsv4 serve --http) at URL, "
+                                      "e.g. http://127.0.0.1:8000, instead of the daemon's socket")] = None,
+    api_key: Annotated[Optional[str], typer.Option(
+        "--api-key", metavar="KEY", envvar="DSV4_API_KEY", show_envvar=False,
+        help="API key for --http [env: DSV4_API_KEY]")] = None,
     local: Annotated[bool, typer.Option("--local", help="Benchmark an engine in this process instead of the "
                                         "daemon (takes the engine options of 'dsv4 serve' but --seed).")] = False,
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
@@ -205,7 +215,14 @@ def bench(
         threads=threads)
     from dsv4.daemon.paths import resolve_endpoint
 
-    backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket))
+    if http is not None and local:
+        raise CliError("--http and --local are two different targets; give one", O.EXIT_USAGE)
+    if http is not None:
+        from dsv4.cli.bench_http import HttpBackend
+
+        backend: Any = HttpBackend(http, api_key)
+    else:
+        backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket))
     try:
         info = backend.info
         vocab = int(info.get("vocab_size") or 0)
@@ -223,7 +240,8 @@ def bench(
     report = {"config": {"prompt_len": prompt_len, "gen_len": gen_len, "concurrency": levels,
                          "num_prompts": num_prompts, "mtp": arms, "warmup": warmup, "dataset": dataset,
                          "prompt_source": source, "ignore_eos": True, "temperature": 0.0, "streaming": True,
-                         "prefix_caching": False, "target": "local" if local else "daemon",
+                         "prefix_caching": False,
+                         "target": "local" if local else (f"http {http}" if http else "daemon"),
                          "model": info.get("model"), "device": info.get("device"), "dtype": info.get("dtype"),
                          "num_speculative_tokens": info.get("num_speculative_tokens")},
               "results": results, "comparison": _compare(results)}
@@ -258,8 +276,13 @@ def _measure(backend: Any, prompts: list[list[int]], params: dict[str, Any], lev
                 p = {**params, "speculative": arm == "on"}
                 if warmup:
                     _run_arm(backend, prompts[:warmup], p, c, advance)
+                before = backend.spec_totals() if hasattr(backend, "spec_totals") else None
                 records, wall = _run_arm(backend, prompts[warmup:], p, c, advance)
-                results.append(_summarise(records, wall, c, arm))
+                spec = None
+                if before is not None:  # HTTP: the arm's MTP counters from the server's metrics
+                    after = backend.spec_totals()
+                    spec = {k: after[k] - before[k] for k in after}
+                results.append(_summarise(records, wall, c, arm, spec))
     finally:
         bar.close()
     return results

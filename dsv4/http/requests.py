@@ -20,7 +20,8 @@ from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
-                "repetition_penalty", "presence_penalty", "frequency_penalty")
+                "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "speculative")  # dsv4's own: false = no MTP drafts for this request
 
 
 class ApiError(Exception):

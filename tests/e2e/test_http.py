@@ -209,3 +209,15 @@ def test_metrics_use_vllm_names(server, client):
 def test_non_loopback_address_needs_a_key():
     r = dsv4("serve", "--http", "0.0.0.0:8123", env=env_for())
     assert r.returncode == 2 and "--api-key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_bench_over_http(server):
+    d, port = server
+    r = dsv4("bench", "--http", f"http://127.0.0.1:{port}", "--api-key", KEY, "--prompt-len", "8", "--gen-len", "4",
+             "--num-prompts", "2", "--warmup", "0", "--concurrency", "2", "--json", "-", timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    arms = {x["mtp"]: x for x in rep["results"]}
+    assert rep["config"]["target"].startswith("http") and set(arms) == {"on", "off"}
+    assert all(x["output_tokens"] == 8 and x["requests"] == 2 and x["ttft_s"]["p50"] for x in arms.values())
+    assert arms["on"]["drafted"] > 0 and arms["off"]["drafted"] == 0
