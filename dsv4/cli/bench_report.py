@@ -16,6 +16,25 @@ ROWS: list[tuple[str, str, str | None, str]] = [  # label, key, sub-key, unit
     ("output tok/s", "output_throughput_tok_s", None, ""), ("req/s", "request_throughput_req_s", None, ""),
     ("acceptance rate", "acceptance_rate", None, "%"), ("mean acceptance length", "mean_acceptance_length", None, ""),
 ]
+LOWER_IS_BETTER = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+MIN_REQUESTS = {"p90": 10, "p99": 100}  # fewer and the percentile is just one of the largest values
+
+
+def better(key: str) -> str:
+    """Which way a ratio is good: 'lower' for latencies, 'higher' for rates."""
+    return "lower" if key in LOWER_IS_BETTER else "higher"
+
+
+def verdict(report: dict[str, Any]) -> str | None:
+    """One line: MTP on versus off, by output throughput at each concurrency."""
+    parts = []
+    for row in report.get("comparison") or []:
+        r = (row.get("output_throughput_tok_s") or {}).get("ratio")
+        if r is None:
+            continue
+        word = "faster" if r > 1.02 else "slower" if r < 0.98 else "about even"
+        parts.append(f"{r:.2f}x output tok/s at concurrency {row['concurrency']} ({word})")
+    return "verdict: MTP on vs off: " + "; ".join(parts) if parts else None
 
 
 def _value(r: dict[str, Any], key: str, sub: str | None) -> Any:
@@ -42,6 +61,11 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
                   f"{cfg['prompt_len']} tokens in, {cfg['gen_len']} out, EOS ignored, streaming; "
                   f"{cfg['num_prompts']} requests per run after {cfg['warmup']} warmup")
     results = report["results"]
+    thin = [p for p, n in MIN_REQUESTS.items() if cfg["num_prompts"] < n]
+    if thin:
+        console.print(f"warning: {cfg['num_prompts']} requests per run are too few for {' and '.join(thin)} "
+                      f"(they need at least {' and '.join(str(MIN_REQUESTS[p]) for p in thin)}); those rows are "
+                      f"close to the largest value seen (raise --num-prompts)")
     for c in sorted({r["concurrency"] for r in results}):
         arms = {r["mtp"]: r for r in results if r["concurrency"] == c}
         table = Table(title=f"concurrency {c}", title_justify="left")
@@ -51,6 +75,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
         both = "on" in arms and "off" in arms
         if both:
             table.add_column("on/off", justify="right")
+            table.add_column("better", justify="left")
         for label, key, sub, unit in ROWS:
             vals = [_value(arms[a], key, sub) for a in arms]
             row = [label + (f" ({unit})" if unit == "ms" else "")] + [_fmt(v, unit) for v in vals]
@@ -58,5 +83,9 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
                 on, off = _value(arms["on"], key, sub), _value(arms["off"], key, sub)
                 ok = isinstance(on, (int, float)) and isinstance(off, (int, float)) and off and unit != "%"
                 row.append(f"{on / off:.2f}x" if ok and key != "requests" else "")
+                row.append(better(key) if key != "requests" else "")
             table.add_row(*row)
         console.print(table)
+    line = verdict(report)
+    if line:
+        console.print(line)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 from typing import Annotated, Any
 
@@ -120,8 +119,9 @@ def status(
     if as_json:
         print(json.dumps(st, indent=2, sort_keys=True))
         return
-    for key, value in _flatten(st):
-        print(f"{key:<28} {_fmt(key, value)}")
+    from dsv4.cli.status_view import status_lines
+
+    print("\n".join(status_lines(st)))
 
 
 @app.command()
@@ -143,33 +143,6 @@ def stop(
 
 
 # ---------------------------------------------------------------------- helpers
-def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    order = ["model", "device", "dtype", "uptime_s", "running", "waiting", "in_flight", "clients"]
-    keys = sorted(d, key=lambda k: (order.index(k) if k in order else len(order), k))
-    out: list[tuple[str, Any]] = []
-    for k in keys:
-        v = d[k]
-        if isinstance(v, dict):
-            out += _flatten(v, f"{prefix}{k}.")
-        else:
-            out.append((f"{prefix}{k}", v))
-    return out
-
-
-def _fmt(key: str, value: Any) -> str:
-    if isinstance(value, float):
-        if key.endswith("uptime_s"):
-            return time.strftime("%H:%M:%S", time.gmtime(value)) if value < 86400 else f"{value / 86400:.1f} days"
-        return f"{value:.4g}"
-    if isinstance(value, list):
-        return ", ".join(_fmt(key, v) for v in value) or "-"
-    if isinstance(value, int) and not isinstance(value, bool) and "bytes" in key:
-        from dsv4.daemon.process import human_bytes
-
-        return human_bytes(value)
-    return "-" if value is None else str(value)
-
-
 def _exit_status(e: BaseException) -> tuple[int, str | None]:
     """Exit status and the one line to print for an exception."""
     from dsv4.daemon.client import DaemonError, DaemonTimeout, DaemonUnreachable

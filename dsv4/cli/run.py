@@ -106,7 +106,7 @@ def run(
     deadline = time.monotonic() + timeout if timeout > 0 else None
     signal.signal(signal.SIGTERM, _interrupt)
     if local:
-        code = out.drive(_local_events(engine, request, out.colour), on_interrupt=None)
+        code = out.drive(_local_events(engine, request, out.colour, on_loaded=out.loaded), on_interrupt=None)
     else:
         code = out.drive_daemon(request, socket, deadline)
     if verbose:
@@ -158,6 +158,7 @@ class Output:
         self.t_end: float | None = None
         self._char_src: list[str] = []  # per character of the per-token pieces: draft/target
         self._printed = 0
+        self.load_s: float | None = None  # --local: model load time, kept out of TTFT
 
     # ------------------------------------------------------------------ driving
     def drive_daemon(self, request: dict[str, Any], socket: str | None, deadline: float | None) -> int:
@@ -261,6 +262,12 @@ class Output:
                 "error": f.get("error"), "usage": usage, "timings": self.timings(),
                 "server_timings": f.get("timings"), "spec": spec}
 
+    def loaded(self) -> None:
+        """--local: the model is loaded; timings start now (load time is reported apart)."""
+        now = time.monotonic()
+        self.load_s = now - self.t0
+        self.t0 = now
+
     def print_stats(self) -> None:
         r = self.result()
         t, s, u = r["timings"], r["spec"], r["usage"]
@@ -268,7 +275,8 @@ class Output:
         rate = f"{1 / t['tpot_s']:.1f} tok/s" if t["tpot_s"] else "-"
         acc = "-" if s.get("acceptance_rate") is None else f"{s['acceptance_rate']:.1%}"
         mal = "-" if s.get("mean_acceptance_length") is None else f"{s['mean_acceptance_length']:.2f}"
-        O.err(f"prompt {u.get('prompt_tokens')} tokens, generated {u.get('completion_tokens')} tokens, "
+        load = f"model loaded in {self.load_s:.2f} s; " if self.load_s is not None else ""
+        O.err(f"{load}prompt {u.get('prompt_tokens')} tokens, generated {u.get('completion_tokens')} tokens, "
               f"finish {r['finish_reason']}; TTFT {ms(t['ttft_s'])}, TPOT {ms(t['tpot_s'])} ({rate}), "
               f"E2E {ms(t['e2e_s'])}; MTP drafted {s.get('drafted')}, accepted {s.get('accepted')} ({acc}), "
               f"mean acceptance length {mal}")
@@ -284,8 +292,10 @@ def _silence_stdout() -> None:
         pass
 
 
-def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> Iterator[dict[str, Any]]:
-    """The same events as the daemon sends, from an engine in this process."""
+def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool,
+                  on_loaded: Any = None) -> Iterator[dict[str, Any]]:
+    """The same events as the daemon sends, from an engine in this process; `on_loaded()`
+    is called once the model is loaded, before the request is added."""
     from dsv4.daemon import protocol as P
     from dsv4.daemon.process import load_engine
     from dsv4.engine.request import RequestError
@@ -297,6 +307,8 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool) -> 
     except RequestError as e:
         raise CliError(str(e), O.EXIT_USAGE) from None
     engine = load_engine(config)
+    if on_loaded is not None:
+        on_loaded()
     try:
         rid = engine.add_request(request["prompt"], params, prompt_mode=request["mode"], system=request["system"],
                                  thinking=request["thinking"])

@@ -345,7 +345,17 @@ class Server:
             "uptime_s": round(time.time() - self.started, 3),
             "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
             "in_flight": len(self._live),
+            "memory_rss_bytes": _rss_bytes(),
         }
+
+
+def _rss_bytes() -> int | None:
+    """Resident memory of this process (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _log_finished(out: Any) -> None:

@@ -150,14 +150,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
+        t0 = time.monotonic()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         results = self.runner.execute(plan.prefills, plan.decodes)
         if self.profiler is not None:
             self.profiler.step()
-        self.metrics.on_step(sum(n for _, _, n in plan.prefills), sum(n for _, n in plan.decodes))
         now = time.monotonic()
+        self.metrics.on_step(sum(n for _, _, n in plan.prefills), sum(n for _, n in plan.decodes), now - t0)
         outs: list[RequestOutput] = []
         for req, start, n in plan.prefills:
             res = results.get(req.slot) if start + n == req.num_prompt_tokens else None

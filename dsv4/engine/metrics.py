@@ -159,8 +159,10 @@ class EngineMetrics(_Acceptance):
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     last_time: float | None = None
+    busy_s: float = 0.0  # time spent in engine steps
 
-    def on_step(self, num_prefill_tokens: int, num_decode_tokens: int) -> None:
+    def on_step(self, num_prefill_tokens: int, num_decode_tokens: int, seconds: float = 0.0) -> None:
+        self.busy_s += seconds
         self.num_steps += 1
         self.num_prefill_tokens += num_prefill_tokens
         self.num_decode_tokens += num_decode_tokens
@@ -196,7 +198,9 @@ class EngineMetrics(_Acceptance):
         return {
             "requests": self.num_requests,
             "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
-            "throughput": {"output_tokens_per_s": self.output_throughput(now)},
+            "throughput": {"output_tokens_per_s": self.output_throughput(now),
+                           "busy_s": self.busy_s,
+                           "output_tokens_per_busy_s": self.completion_tokens / self.busy_s if self.busy_s else None},
             "timings": {"ttft_s": percentiles(self.ttfts), "tpot_s": percentiles(self.tpots),
                         "e2e_s": percentiles(self.e2es)},
             "spec": {

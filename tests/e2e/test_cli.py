@@ -102,8 +102,12 @@ def test_status(daemon: Daemon) -> None:
     for key in ("model", "device", "dtype", "uptime_s", "running", "waiting", "totals", "pid", "in_flight"):
         assert key in st, key
     assert st["running"] == 0 and st["waiting"] == 0 and st["pid"] == daemon.proc.pid
+    run_json("--max-tokens", "4", "--ignore-eos", "Status:", endpoint=daemon.endpoint)  # some MTP totals
     r = dsv4("status", endpoint=daemon.endpoint)
-    assert r.returncode == 0 and "uptime_s" in r.stdout
+    assert r.returncode == 0 and f"pid {daemon.proc.pid}" in r.stdout
+    lines = {ln.split()[0]: ln for ln in r.stdout.splitlines()}
+    assert {"daemon", "model", "requests", "throughput", "MTP", "memory"} <= set(lines)
+    assert "%" in lines["MTP"] and "MiB resident" in lines["memory"] and "while busy" in lines["throughput"]
 
 
 def test_bad_frames_get_error_replies_then_run_works(daemon: Daemon) -> None:

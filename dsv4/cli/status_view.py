@@ -1,0 +1,88 @@
+"""`dsv4 status` for people: the daemon's status map as a few labelled lines in human units.
+
+Durations in ms or s, memory in MiB, acceptance as a percentage, throughput over the time
+the engine was busy (not over uptime, which counts idle hours). Keys this view does not
+know are listed after it, flattened, so nothing the daemon reports is hidden.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "uptime_s", "running", "waiting",
+         "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
+         "memory_rss_bytes"}
+
+
+def _bytes(n: Any) -> str:
+    from dsv4.daemon.process import human_bytes
+
+    return "-" if not isinstance(n, (int, float)) else human_bytes(n)
+
+
+def _dur(s: Any) -> str:
+    if not isinstance(s, (int, float)):
+        return "-"
+    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def _pct(x: Any) -> str:
+    return "-" if not isinstance(x, (int, float)) else f"{x:.1%}"
+
+
+def _uptime(s: Any) -> str:
+    if not isinstance(s, (int, float)):
+        return "-"
+    s = int(s)
+    d, rest = divmod(s, 86400)
+    h, rest = divmod(rest, 3600)
+    m, sec = divmod(rest, 60)
+    return (f"{d} d " if d else "") + f"{h:02d}:{m:02d}:{sec:02d}"
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for k in sorted(d):
+        v = d[k]
+        out += _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else [(f"{prefix}{k}", v)]
+    return out
+
+
+def status_lines(st: dict[str, Any]) -> list[str]:
+    t = st.get("totals") or {}
+    usage, thr, spec = t.get("usage") or {}, t.get("throughput") or {}, t.get("spec") or {}
+    tim = t.get("timings") or {}
+    up, busy = st.get("uptime_s"), thr.get("busy_s")
+    busy_share = f", {busy / up:.0%} of uptime" if isinstance(busy, (int, float)) and up else ""
+    rate = thr.get("output_tokens_per_busy_s")
+    tpot = (tim.get("tpot_s") or {}).get("p50")
+
+    def dist(name: str) -> str:
+        d = tim.get(name) or {}
+        return (f"p50 {_dur(d.get('p50'))} (mean {_dur(d.get('mean'))}, p90 {_dur(d.get('p90'))}, "
+                f"p99 {_dur(d.get('p99'))})") if d.get("p50") is not None else "-"
+
+    per_pos = ", ".join(_pct(x) for x in spec.get("per_position_acceptance") or []) or "-"
+    lines = [
+        ("daemon", f"pid {st.get('pid')}, dsv4 {st.get('version')} (protocol {st.get('protocol')}), "
+                   f"up {_uptime(up)}, {st.get('endpoint')}"),
+        ("model", f"{st.get('model')} (vocabulary {st.get('vocab_size')}), {st.get('device')} {st.get('dtype')}, "
+                  f"MTP K = {st.get('num_speculative_tokens')}"),
+        ("requests", f"{st.get('running')} running, {st.get('waiting')} waiting, {st.get('in_flight')} in flight "
+                     f"from {st.get('clients')} client(s); {t.get('requests', 0)} finished"),
+        ("tokens", f"{usage.get('prompt_tokens', 0)} prompt, {usage.get('completion_tokens', 0)} generated"),
+        ("throughput", (f"{rate:.1f} tok/s while busy" if isinstance(rate, (int, float)) else "-")
+         + f" (busy {_dur(busy)}{busy_share})"),
+        ("TTFT", dist("ttft_s")),
+        ("TPOT", dist("tpot_s") + (f"; {1 / tpot:.1f} tok/s per request" if tpot else "")),
+        ("E2E", dist("e2e_s")),
+        ("MTP", f"acceptance {_pct(spec.get('acceptance_rate'))} ({spec.get('accepted', 0)} of "
+                f"{spec.get('drafted', 0)} drafts), mean acceptance length "
+                + (f"{spec['mean_acceptance_length']:.2f}" if spec.get("mean_acceptance_length") else "-")
+                + f", per position {per_pos}"),
+        ("memory", f"{_bytes(st.get('memory_rss_bytes'))} resident, {_bytes(st.get('state_bytes'))} request state"),
+    ]
+    out = [f"{k:<11} {v}" for k, v in lines]
+    extra = {k: v for k, v in st.items() if k not in KNOWN}
+    out += [f"{k:<11} {v}" for k, v in _flatten(extra)]
+    return out
