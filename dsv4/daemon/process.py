@@ -119,10 +119,19 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
             lock.release()
             return EXIT_ERROR
     server = None
+    ctx = None  # with --http: the ZeroMQ context the ROUTER and the HTTP front end share (inproc)
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a stop while loading exits cleanly
     try:
         for path in remove_stale(endpoint):
             log.info("removed stale socket %s left by a daemon that died", path)
+        if http is not None:  # answers /health with 503 (and requests with 503) while the model loads
+            import zmq
+
+            from dsv4.http.server import model_tokenizer
+
+            ctx = zmq.Context()
+            http.start(ctx, model_name=Path(config.model).name, model_path=str(config.model),
+                       max_model_len=config.max_model_len, tokenizer=model_tokenizer(config.model))
         t0 = time.monotonic()
         engine = load_engine(config)
         model_name = Path(config.model).name
@@ -137,7 +146,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
 
             also = (INPROC_ENDPOINT,)
         server = Server(engine, endpoint, model_name=model_name, also_bind=also,
-                        make_params=getattr(engine, "make_params", None))
+                        make_params=getattr(engine, "make_params", None), context=ctx)
         try:
             server.bind()
         except Exception as e:  # noqa: BLE001  (zmq.ZMQError: address in use, permission denied)
@@ -146,14 +155,9 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
             return EXIT_ERROR
         server.install_signal_handlers()
         log.info("listening on %s (pid %d)", endpoint, os.getpid())
-        if http is not None:
-            http.start(server.context, model_name=model_name, model_path=str(config.model),
-                       max_model_len=config.max_model_len, tokenizer=engine.tokenizer)
         try:
             reason = server.serve_forever()
         finally:
-            if http is not None:
-                http.stop()  # before the ROUTER's context ends: its socket lives there
             close = getattr(engine, "close", None)
             if close is not None:
                 close()  # flushes --profile traces
@@ -163,8 +167,12 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, old_term)
+        if http is not None:
+            http.stop()  # before the shared context ends: the HTTP front end's socket lives there
         if server is not None:
-            server.close()
+            server.close()  # terminates ctx too
+        elif ctx is not None:
+            ctx.term()
         lock.release()
         log.info("stopped; socket and pid file removed")
 

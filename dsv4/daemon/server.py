@@ -62,10 +62,12 @@ class Server:
 
     def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
                  heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
-                 make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = ()) -> None:
+                 make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = (),
+                 context: zmq.Context | None = None) -> None:
         self.engine = engine
         self.endpoint = endpoint
         self.also_bind = also_bind  # more endpoints for the same ROUTER (the HTTP front end's inproc://)
+        self._given_ctx = context  # inproc:// peers need the ROUTER's context; it is terminated by close()
         self.model_name = model_name
         self.heartbeat_timeout = heartbeat_timeout
         self._make_params = make_params or _sampling_params
@@ -85,7 +87,7 @@ class Server:
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> None:
         """Create and bind the ROUTER socket (socket file mode 0600 for ipc)."""
-        self._ctx = zmq.Context()
+        self._ctx = self._given_ctx or zmq.Context()
         s = self._ctx.socket(zmq.ROUTER)
         s.setsockopt(zmq.ROUTER_MANDATORY, 1)
         s.setsockopt(zmq.SNDHWM, SEND_HWM)
@@ -97,18 +99,14 @@ class Server:
                 s.bind(extra)
         except zmq.ZMQError:
             s.close(0)
-            self._ctx.term()
+            if self._given_ctx is None:  # a given context is its owner's to end
+                self._ctx.term()
             self._ctx = None
             raise
         self._sock = s
         path = ipc_path(self.endpoint)
         if path is not None:
             os.chmod(path, 0o600)
-
-    @property
-    def context(self) -> zmq.Context | None:
-        """The ZeroMQ context of the ROUTER (inproc:// peers must share it)."""
-        return self._ctx
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT stop the loop; the wakeup pipe makes a blocking poll return at once."""

@@ -151,7 +151,8 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         if self.bridge is None or not self.bridge.alive:
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            loading = self.bridge is not None and self.bridge.last_pong is None
+            return JSONResponse({"status": "loading" if loading else "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:

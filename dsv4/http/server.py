@@ -3,10 +3,10 @@
     address = parse_address("127.0.0.1:8000", api_key)   # at startup: bad address or key -> HttpError
     http = HttpServer(address, api_key)
     http.bind()                    # before the weights load: a port in use fails at once
-    ... engine loaded, ROUTER bound on the daemon endpoint and on INPROC_ENDPOINT ...
-    http.start(zmq_ctx, model_name=..., ...)   # uvicorn's event loop in a thread
+    http.start(zmq_ctx, model_name=..., ...)   # uvicorn's event loop in a thread; 503 while loading
+    ... engine loaded, ROUTER bound (in zmq_ctx) on the daemon endpoint and on INPROC_ENDPOINT ...
     ... serve_forever ...
-    http.stop()                    # before the ROUTER's context is terminated
+    http.stop()                    # before the shared context is terminated
 
 The HTTP side talks to the engine only through ZeroMQ messages on the in-process
 endpoint (same context, no socket file, no key), like any other client, so the engine
@@ -69,6 +69,16 @@ def parse_address(text: str, api_key: str | None) -> Address:
     return addr
 
 
+def model_tokenizer(model_dir: str) -> Any:
+    """The model's tokenizer for chat prompts (None when it has none: token ids only)."""
+    from dsv4.engine.tokenizer import Tokenizer, TokenizerError
+
+    try:
+        return Tokenizer.from_dir(model_dir)
+    except TokenizerError:
+        return None
+
+
 class HttpServer:
     """One uvicorn server on `address`, run in a daemon thread."""
 
@@ -91,6 +101,7 @@ class HttpServer:
         self._sock = s
 
     def start(self, zmq_ctx: Any, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any) -> None:
+        """Serve in a thread; requests get 503 until the daemon binds INPROC_ENDPOINT in `zmq_ctx` and answers."""
         import uvicorn
 
         from dsv4.http.app import Api, build_app
