@@ -131,14 +131,15 @@ class Api:
         reason = msg.get("finish_reason")
         return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
 
-    async def _next(self, q: asyncio.Queue, request: Request | None) -> dict[str, Any]:
-        """The next reply; with `request`, raise CancelledError once its client has gone."""
+    async def _next(self, q: asyncio.Queue, gone: asyncio.Task | None) -> dict[str, Any]:
+        """The next reply; raise `_ClientGone` once the `gone` watch saw the client leave. A
+        daemon that stops answering ends the wait with an error reply."""
         while True:
+            if gone is not None and gone.done():
+                raise _ClientGone
             try:
-                return await asyncio.wait_for(q.get(), WATCH_S) if request is not None else await q.get()
+                return await asyncio.wait_for(q.get(), WATCH_S)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():  # type: ignore[union-attr]
-                    raise asyncio.CancelledError from None
                 if self.bridge is not None and not self.bridge.alive:
                     return P.error(None, P.ERR_SHUTTING_DOWN, "the dsv4 engine stopped answering")
 
@@ -177,8 +178,19 @@ class Api:
         q, rids = self._submit(parsed)
         index = {rid: i for i, rid in enumerate(rids)}
         run = _Run(self, parsed, chat, index, t0)
+        gone = asyncio.create_task(_disconnected(request))  # the body is read: what comes next is a disconnect
         try:
-            first = await self._next(q, request)
+            return await self._reply(q, rids, run, parsed, gone)
+        finally:
+            gone.cancel()
+
+    async def _reply(self, q: asyncio.Queue, rids: list[str], run: "_Run", parsed: Parsed,
+                     gone: asyncio.Task) -> Response:
+        try:
+            first = await self._next(q, gone)
+        except _ClientGone:
+            self._cancel(rids)
+            return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except BaseException:
             self._cancel(rids)
             raise
@@ -192,7 +204,10 @@ class Api:
                     run.take(msg)
                     if run.finished == len(rids):
                         break
-                    msg = await self._next(q, request)
+                    msg = await self._next(q, gone)
+            except _ClientGone:
+                self._cancel(rids)
+                return Response(status_code=499)
             except BaseException:
                 self._cancel(rids)
                 raise
@@ -220,6 +235,16 @@ class Api:
             yield b"data: [DONE]\n\n"
         finally:  # a disconnect cancels the generator here
             self._cancel([r for r in rids if r not in run.done])
+
+
+class _ClientGone(Exception):
+    """The HTTP client disconnected while its request was waiting."""
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the ASGI receive after the whole body)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _event(obj: dict[str, Any]) -> bytes:

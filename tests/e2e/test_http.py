@@ -176,22 +176,26 @@ def test_sse_framing(server):
     assert all(p["choices"][0]["finish_reason"] is None for p in payloads[:-1])
 
 
-def test_disconnect_cancels_the_generation(server):
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_cancels_the_generation(server, stream):
     d, port = server
+    cancelled = d.log.read_text().count("cancelled")
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
-    body = json.dumps({"prompt": "Long", "max_tokens": 900, "stream": True, "ignore_eos": True}).encode()
+    body = json.dumps({"prompt": "Long", "max_tokens": 900, "stream": stream, "ignore_eos": True}).encode()
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
               + b"\r\n\r\n" + body)
-    got = b""
-    while b"data: " not in got:  # the stream has started
-        more = s.recv(4096)
-        assert more, got
-        got += more
-    assert status(d.endpoint)["in_flight"] == 1
+    if stream:
+        got = b""
+        while b"data: " not in got:  # the stream has started
+            more = s.recv(4096)
+            assert more, got
+            got += more
+    assert wait_until(lambda: status(d.endpoint)["in_flight"] == 1, timeout=30)
     s.close()
     assert wait_until(lambda: status(d.endpoint)["in_flight"] == 0, timeout=5)
-    assert "cancelled" in d.log.read_text()
+    log = d.log.read_text()
+    assert log.count("cancelled") == cancelled + 1 and "Traceback" not in log
 
 
 def test_metrics_use_vllm_names(server, client):

@@ -227,3 +227,34 @@ def test_stop_string_cuts_tokens_and_usage(ckpt):
         assert c.metrics["usage"]["completion_tokens"] == len(c.token_ids)
         outs.append(c.token_ids)
     assert outs[0] == outs[1]  # the tokens after the one that completed the stop string are dropped
+
+
+def test_generation_config_supplies_defaults(tmp_path):
+    import json
+
+    write_tiny_checkpoint(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.9, "top_k": 7, "repetition_penalty": 1.2, "max_new_tokens": 5}))
+    llm = LLM(tmp_path, num_speculative_tokens=0, max_model_len=64)
+    p = llm.engine.make_params({"max_tokens": 3})
+    assert (p.temperature, p.top_k, p.repetition_penalty, p.max_tokens) == (0.9, 7, 1.2, 3)
+    g = llm.engine.make_params({"temperature": 0})  # an explicit field wins; 0 stays greedy
+    assert g.greedy and g.repetition_penalty == 1.2
+    assert llm.engine.default_params.temperature == 0.9
+    assert SamplingParams().greedy  # an explicit SamplingParams keeps its own (greedy) defaults
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(RequestError, match="generation_config.json: temperature"):
+        LLM(tmp_path, num_speculative_tokens=0, max_model_len=64)
+
+
+def test_llm_chat_sends_the_rendered_conversation(ckpt):
+    from dsv4.engine.tokenizer import chat_prompt
+
+    llm = LLM(ckpt[0], num_speculative_tokens=0, max_model_len=512)
+    msgs = [{"role": "user", "content": "ROMEO:"}, {"role": "assistant", "content": "Peace"},
+            {"role": "user", "content": "JULIET:"}]
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    (a,) = llm.chat(msgs, sp)
+    (b,) = llm.generate([chat_prompt(llm.engine.tokenizer, msgs)], sp, prompt_mode="raw")
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 5
+    assert len(llm.chat([msgs, msgs[:1]], sp)) == 2
