@@ -293,3 +293,27 @@ def test_model_that_cannot_carry_speculation_across_chunks(ckpt: Path, monkeypat
     assert not EngineConfig.create(model=str(ckpt), num_speculative_tokens=0, max_model_len=4096).single_dispatch
     msg = err(EngineConfig.create, model=str(ckpt), num_speculative_tokens=1, max_model_len=4096)
     assert "cannot carry the MTP state" in msg and "--num-speculative-tokens 0" in msg
+
+
+def test_threads_flag_and_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.engine.config import MAX_DEFAULT_THREADS, default_threads
+
+    d = make_ckpt(tmp_path)
+    assert EngineConfig.create(model=str(d), threads=3).threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert default_threads() == 2 and EngineConfig.create(model=str(d)).threads == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert 1 <= default_threads() <= min(len(os.sched_getaffinity(0)), MAX_DEFAULT_THREADS)
+    with pytest.raises(EngineConfigError, match="--threads"):
+        EngineConfig.create(model=str(d), threads=0)
+
+
+def test_generation_config_defaults_read_at_validation(tmp_path: Path) -> None:
+    d = make_ckpt(tmp_path)
+    assert EngineConfig.create(model=str(d)).sampling_defaults == {}
+    (d / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "max_length": 9,
+                                                          "do_sample": False}))
+    assert EngineConfig.create(model=str(d)).sampling_defaults == {"temperature": 0.0, "top_p": 0.9}
+    (d / "generation_config.json").write_text("{broken")
+    with pytest.raises(EngineConfigError, match="generation_config.json"):
+        EngineConfig.create(model=str(d))
