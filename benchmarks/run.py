@@ -53,6 +53,9 @@ def heldout_prompts(tok: Tokenizer, data: Path, n: int, length: int) -> list[lis
     ids: list[int] = []
     for f in sorted((data / "heldout").glob("*.txt")):
         ids += tok.encode(f.read_text(encoding="utf-8"))
+    if len(ids) < length:
+        raise SystemExit(f"benchmarks/run.py: no held-out texts in {data / 'heldout'} (--data names a folder "
+                         f"with a heldout/ folder of .txt files, like data/shakespeare)")
     step = max(1, (len(ids) - length) // n)
     return [ids[i * step: i * step + length] for i in range(n)]
 
