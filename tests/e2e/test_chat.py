@@ -80,3 +80,14 @@ def test_chat_session(daemon):
         assert t.proc.wait(20) == 0
     finally:
         t.close()
+
+
+def test_run_without_a_prompt_on_a_terminal_chats(daemon):
+    t = Pty("run", "--max-tokens", "3", endpoint=daemon.endpoint)
+    try:
+        t.expect("dsv4 chat with")
+        t.expect(">>> ")
+        t.send("/bye\r")
+        assert t.proc.wait(20) == 0
+    finally:
+        t.close()
