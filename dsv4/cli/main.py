@@ -57,7 +57,7 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -72,15 +72,20 @@ def serve(
                          seed=seed, profile_dir=profile)
     config = O.build_config(kw)  # validation only: no weights are read
     endpoint = resolve_endpoint(socket)
+    if O.check_listen_key(endpoint, api_key):
+        O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
     paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
-        from dsv4.daemon.process import report_running, spawn_detached
+        from dsv4.daemon.process import engine_settings, report_running, spawn_detached
 
         if paths.daemon_pid(endpoint) is not None:
-            O.err(report_running(endpoint))
+            same, line = report_running(endpoint, engine_settings(config), api_key)
+            if not same:
+                raise CliError(line)
+            O.err(line)
             raise typer.Exit(O.EXIT_OK)
         try:
-            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint], endpoint)
+            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint], endpoint, api_key=api_key)
         except TimeoutError as e:
             raise CliError(str(e), O.EXIT_TIMEOUT) from None
         except RuntimeError as e:
@@ -89,18 +94,18 @@ def serve(
         raise typer.Exit(O.EXIT_OK)
     from dsv4.daemon.process import run_daemon
 
-    raise typer.Exit(run_daemon(config, endpoint))
+    raise typer.Exit(run_daemon(config, endpoint, api_key=api_key))
 
 
 @app.command()
 def status(
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
 ) -> None:
     """Show the daemon's model, device, uptime, requests, totals and MTP acceptance."""
     from dsv4.daemon.client import Client
 
-    with Client(resolve_endpoint(socket)) as c:
+    with Client(resolve_endpoint(socket), api_key=api_key) as c:
         c.connect()
         st = c.status()
     if as_json:
@@ -112,7 +117,7 @@ def status(
 
 @app.command()
 def stop(
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
                                            help="How long to wait for the daemon to exit (exit 75 after).")] = 30.0,
 ) -> None:
@@ -120,11 +125,13 @@ def stop(
     from dsv4.daemon.client import Client, wait_for_release
 
     endpoint = resolve_endpoint(socket)
-    with Client(endpoint) as c:
+    with Client(endpoint, api_key=api_key) as c:
         pong = c.connect()
         c.shutdown()
-    if not wait_for_release(endpoint, timeout):
-        raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) did not exit within {timeout:g} s", O.EXIT_TIMEOUT)
+    pid = pong.get("pid") if isinstance(pong.get("pid"), int) else None
+    if not wait_for_release(endpoint, timeout, pid):
+        raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) is still exiting after {timeout:g} s",
+                       O.EXIT_TIMEOUT)
     O.err(f"dsv4 daemon (pid {pong.get('pid')}) stopped")
 
 
@@ -156,10 +163,17 @@ def _fmt(key: str, value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+# Errors of a model that cannot be loaded or a request that cannot run: one line, exit 1
+_LOADING_ERRORS = [("dsv4.model.checkpoint", "CheckpointError", "checkpoint error: "),
+                   ("dsv4.engine.tokenizer", "TokenizerError", "tokenizer error: "),
+                   ("dsv4.config", "ConfigError", "model config error: "),
+                   ("dsv4.engine.request", "RequestError", "")]
+
+
 def _exit_status(e: BaseException) -> tuple[int, str | None]:
     """Exit status and the one line to print for an exception."""
     from dsv4.daemon.client import DaemonError, DaemonTimeout, DaemonUnreachable
-    from dsv4.daemon.paths import PathError
+    from dsv4.daemon.paths import PathError, UnsafePathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
     if isinstance(e, CliError):
@@ -170,8 +184,14 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
         return O.EXIT_TIMEOUT, str(e)
     if isinstance(e, DaemonError):
         return (O.EXIT_USAGE if e.code == ERR_INVALID_PARAMS else O.EXIT_ERROR), f"daemon: {e.message}"
+    if isinstance(e, UnsafePathError):
+        return O.EXIT_ERROR, str(e)
     if isinstance(e, PathError):
         return O.EXIT_USAGE, str(e)
+    for module, name, prefix in _LOADING_ERRORS:  # the module is loaded when one of its errors was raised
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return O.EXIT_ERROR, f"{prefix}{e}"
     if isinstance(e, (KeyboardInterrupt, typer.Abort)):
         return O.EXIT_INTERRUPTED, None
     if isinstance(e, ClickException):

@@ -15,11 +15,19 @@ heartbeat timeout (e.g. still queued when they died) are reaped the same way.
 
 Nothing raised while handling one message reaches the loop: bad messages get an `error`
 reply, a failing engine step fails the requests in flight and the daemon keeps serving.
+
+Untrusted input is refused cheaply (docs in README "Security"): with an API key, a
+message without the right key frame gets `unauthorized` before anything else is read;
+more than `max_clients` clients or `max_requests` requests get `busy`; text over the
+byte limit of --max-model-len is refused before tokenizing, and big prompts are
+tokenized on a worker thread (`intake.Intake`); the `intake.ConnectionGuard` keeps
+libzmq from running out of descriptors.
 """
 
 from __future__ import annotations
 
 import errno
+import hmac
 import logging
 import os
 import signal
@@ -32,11 +40,15 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
+from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES, ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256
 SEND_HWM = 100_000
+HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
+MAX_CLIENTS = 256
+MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
 SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 
 log = logging.getLogger("dsv4.daemon")
@@ -52,6 +64,15 @@ class _Live:
 
 
 @dataclass
+class _Pending:
+    """A text request whose prompt is being tokenized on the worker thread."""
+
+    client: bytes
+    req: P.Generate
+    params: Any
+
+
+@dataclass
 class _Client:
     last_seen: float
     requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
@@ -62,7 +83,9 @@ class Server:
 
     def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
                  heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
-                 make_params: Callable[[dict], Any] | None = None) -> None:
+                 make_params: Callable[[dict], Any] | None = None, api_key: str | None = None,
+                 settings: dict[str, Any] | None = None, max_clients: int = MAX_CLIENTS,
+                 max_requests: int = MAX_REQUESTS, max_connections: int | None = None) -> None:
         self.engine = engine
         self.endpoint = endpoint
         self.model_name = model_name
@@ -80,6 +103,14 @@ class Server:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._signals = False
+        self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None
+        self.settings = dict(settings or {})
+        self.max_clients = max_clients
+        self.max_requests = max_requests
+        self.max_connections = max_connections or connection_limit()
+        self._pending: dict[str, _Pending] = {}  # engine request id -> request being tokenized
+        self._intake = Intake(lambda: self._wake_w.send(b"\0"))
+        self._guard: ConnectionGuard | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -90,6 +121,7 @@ class Server:
         s.setsockopt(zmq.SNDHWM, SEND_HWM)
         s.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_MESSAGE_BYTES)  # beyond this the peer is dropped
         s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         try:
             s.bind(self.endpoint)
         except zmq.ZMQError:
@@ -98,6 +130,10 @@ class Server:
             self._ctx = None
             raise
         self._sock = s
+        self._private_socket_file()
+        self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file)
+
+    def _private_socket_file(self) -> None:
         path = ipc_path(self.endpoint)
         if path is not None:
             os.chmod(path, 0o600)
@@ -119,6 +155,10 @@ class Server:
 
     def close(self) -> None:
         """Cancel what is in flight (telling clients), close the socket, remove the socket file."""
+        self._intake.close()
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         if self._sock is not None:
             self._cancel_all(SHUTDOWN_MESSAGE)
             self._sock.close()  # LINGER lets the final messages go out
@@ -144,11 +184,16 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._guard is not None:
+            poller.register(self._guard.monitor, zmq.POLLIN)
         while self.stop_reason is None:
             busy = self._has_work()
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if self._guard is not None:
+                self._guard.handle()
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
+            self._collect_tokenized()
             if self._sock in events:
                 self._drain_socket()
             self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
@@ -159,7 +204,7 @@ class Server:
         return self.stop_reason
 
     def _cancel_all(self, error: str, reason: str = "abort") -> None:
-        for erid in list(self._live):
+        for erid in [*self._live, *self._pending]:
             self._abort(erid, notify=True, error=error, reason=reason)
 
     def _has_work(self) -> bool:
@@ -191,9 +236,23 @@ class Server:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, client: bytes, body: list[bytes]) -> None:
+        if len(body) == 2 and body[0].startswith(P.KEY_PREFIX):
+            key, body = body[0], body[1:]
+        else:
+            key = b""
+        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
+            self._send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
+                                       "--api-key or DSV4_API_KEY"), reap=False)
+            return
         now = time.monotonic()
         state = self._clients.get(client)
         if state is None:
+            if len(self._clients) >= self.max_clients:
+                self._reap_silent_clients(force=True)
+            if len(self._clients) >= self.max_clients:
+                self._send(client, P.error(None, P.ERR_BUSY, f"the dsv4 daemon is busy: {len(self._clients)} "
+                                           f"clients connected (the limit); try again later"), reap=False)
+                return
             state = self._clients[client] = _Client(last_seen=now)
         state.last_seen = now
         if len(body) != 1:
@@ -207,7 +266,7 @@ class Server:
             return
         if isinstance(req, P.Ping):
             self._send(client, P.pong(req.id, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION,
-                                      model=self.model_name, endpoint=self.endpoint,
+                                      model=self.model_name, endpoint=self.endpoint, settings=self.settings,
                                       state="stopping" if self.stop_reason else "ready"))
         elif isinstance(req, P.Status):
             self._send(client, P.status_reply(req.id, self.status()))
@@ -234,15 +293,56 @@ class Server:
         except (ValueError, TypeError) as e:  # RequestError is a ValueError
             self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
             return
+        if len(self._live) + len(self._pending) >= self.max_requests:
+            self._send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.max_requests} "
+                                       f"requests in flight (the limit); try again later"))
+            return
         erid = f"r{self._next_id}"
         self._next_id += 1
+        prompt: str | list[int] = req.prompt
+        encode = getattr(self.engine, "encode_request", None)
         try:
-            self.engine.add_request(req.prompt, params, request_id=erid, prompt_mode=req.mode,
+            if isinstance(prompt, str) and encode is not None:
+                self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
+                if len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES:
+                    self._pending[erid] = _Pending(client, req, params)
+                    state.requests[req.id] = erid
+                    self._intake.submit(erid, encode, prompt, prompt_mode=req.mode, system=req.system,
+                                        thinking=req.thinking)
+                    return
+                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking)
+        except Exception as e:  # noqa: BLE001  (RequestError: this request only)
+            self._reject(client, req, erid, e)
+            return
+        self._add(client, state, req, params, erid, prompt)
+
+    def _reject(self, client: bytes, req: P.Generate, erid: str, e: Exception) -> None:
+        if not isinstance(e, ValueError):
+            log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
+        self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
+
+    def _collect_tokenized(self) -> None:
+        """Queue the requests whose prompts the worker finished tokenizing (unless cancelled meanwhile)."""
+        for erid, fut in self._intake.done():
+            pending = self._pending.pop(erid, None)
+            if pending is None:
+                continue  # cancelled, or its client went away
+            state = self._clients.get(pending.client)
+            if state is not None:
+                state.requests.pop(pending.req.id, None)
+            if fut.exception() is not None:
+                self._reject(pending.client, pending.req, erid, fut.exception())  # type: ignore[arg-type]
+            elif state is not None:
+                self._add(pending.client, state, pending.req, pending.params, erid, fut.result())
+
+    def _add(self, client: bytes, state: _Client, req: P.Generate, params: Any, erid: str,
+             prompt: str | list[int]) -> None:
+        """Hand one request to the engine and start tracking it."""
+        try:
+            self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
                                     system=req.system, thinking=req.thinking)
         except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
-            if not isinstance(e, ValueError):
-                log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
-            self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
+            self._reject(client, req, erid, e)
             return
         tokenizer = getattr(self.engine, "tokenizer", None)
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
@@ -270,11 +370,18 @@ class Server:
                     break  # the client is gone; its requests are cancelled
 
     def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
-        live = self._forget(erid)
-        try:
-            self.engine.abort(erid)
-        except Exception:  # noqa: BLE001
-            log.exception("engine.abort(%s) failed", erid)
+        pending = self._pending.pop(erid, None)
+        if pending is not None:  # still being tokenized: the worker's result will be dropped
+            state = self._clients.get(pending.client)
+            if state is not None:
+                state.requests.pop(pending.req.id, None)
+            live: _Live | None = _Live(pending.client, pending.req.id)
+        else:
+            live = self._forget(erid)
+            try:
+                self.engine.abort(erid)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.abort(%s) failed", erid)
         if live is not None:
             log.info("%s %s%s", erid, "cancelled" if reason == "abort" else "failed", f": {error}" if error else "")
         if notify and live is not None:
@@ -312,9 +419,9 @@ class Server:
             # tell it too, in case it is alive after all (say, stopped for a while): best effort
             self._abort(erid, notify=True, error=f"request cancelled: client {why}")
 
-    def _reap_silent_clients(self) -> None:
+    def _reap_silent_clients(self, force: bool = False) -> None:
         now = time.monotonic()
-        if now - self._last_reap < 0.5:
+        if now - self._last_reap < 0.5 and not force:
             return
         self._last_reap = now
         for client, state in list(self._clients.items()):
@@ -336,7 +443,9 @@ class Server:
             "endpoint": self.endpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
-            "in_flight": len(self._live),
+            "in_flight": len(self._live) + len(self._pending),
+            "connections": self._guard.open if self._guard is not None else None,
+            "max_connections": self.max_connections,
         }
 
 
