@@ -170,7 +170,7 @@ def run_daemon(config: Any, endpoint: str, api_key: str | None = None) -> int:
                  config.max_num_seqs)
         soft, hard = raise_fd_limit()
         server = Server(engine, endpoint, model_name=model_name, api_key=api_key,
-                        settings=engine_settings(config), max_model_len=config.max_model_len)
+                        settings=engine_settings(config))
         try:
             server.bind()
         except Exception as e:  # noqa: BLE001  (zmq.ZMQError: address in use, permission denied)
