@@ -70,10 +70,10 @@ def serve(
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile)
-    config = O.build_config(kw)  # validation only: no weights are read
     endpoint = resolve_endpoint(socket)
     if O.check_listen_key(endpoint, api_key):
         O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
+    config = O.build_config(kw)  # validation only: no weights are read
     paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
         from dsv4.daemon.process import engine_settings, report_running, spawn_detached
