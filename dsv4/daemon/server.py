@@ -45,6 +45,8 @@ from dsv4.daemon.paths import ipc_path
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256
+MAX_BYTES_PER_TURN = 1 << 20  # while the engine has work: then the next step runs
+FRAME_SLACK_BYTES = 64 << 10  # a request's fields besides prompt and system (params, stop strings, ids)
 SEND_HWM = 100_000
 HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
 MAX_CLIENTS = 256
@@ -108,6 +110,15 @@ class Server:
         self.max_clients = max_clients
         self.max_requests = max_requests
         self.max_connections = max_connections or connection_limit()
+        # Frames larger than any acceptable request are refused before decoding (cheap):
+        # text up to the byte limit (prompt + system), or max_model_len token ids, plus room for the rest.
+        text_bytes = getattr(engine, "max_text_bytes", None)
+        config = getattr(engine, "config", None)
+        if isinstance(text_bytes, int) and text_bytes > 0 and config is not None:
+            self.max_frame_bytes: int | None = text_bytes + 9 * config.max_model_len + FRAME_SLACK_BYTES
+            self.frame_limit_reason = f"for --max-model-len {config.max_model_len}"
+        else:
+            self.max_frame_bytes, self.frame_limit_reason = None, ""
         self._pending: dict[str, _Pending] = {}  # engine request id -> request being tokenized
         self._intake = Intake(lambda: self._wake_w.send(b"\0"))
         self._guard: ConnectionGuard | None = None
@@ -222,12 +233,19 @@ class Server:
             pass
 
     def _drain_socket(self) -> None:
+        """Handle waiting messages: up to MAX_MESSAGES_PER_TURN, and while the engine has work
+        up to MAX_BYTES_PER_TURN, so a flood of big messages cannot starve the streams."""
         assert self._sock is not None
+        budget = MAX_BYTES_PER_TURN if self._has_work() else None
         for _ in range(MAX_MESSAGES_PER_TURN):
+            if budget is not None and budget <= 0:
+                return
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if budget is not None:
+                budget -= sum(len(f) for f in frames)
             try:
                 self._handle(frames[0], frames[1:])
             except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
@@ -257,6 +275,11 @@ class Server:
         state.last_seen = now
         if len(body) != 1:
             self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
+            return
+        if self.max_frame_bytes is not None and len(body[0]) > self.max_frame_bytes:
+            self._send(client, P.error(None, P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes exceeds the limit of "
+                                       f"{self.max_frame_bytes} bytes {self.frame_limit_reason}; send a shorter "
+                                       f"prompt"))
             return
         try:
             req = P.decode_request(body[0])

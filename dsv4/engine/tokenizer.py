@@ -30,6 +30,7 @@ THINK_END_TOKEN = "</think>"
 
 PromptMode = Literal["auto", "chat", "raw"]
 _REPLACEMENT = "\ufffd"
+_GIL_FREE_CHARS = 16 << 10  # texts this long are encoded without holding the GIL (same ids)
 
 
 class TokenizerError(Exception):
@@ -124,7 +125,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Ids of plain `text` (special-token strings in it are ordinary characters)."""
-        ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
+        if len(text) >= _GIL_FREE_CHARS:  # encode_batch lets other threads run meanwhile; encode holds the GIL
+            ids = self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
         return [self._bos()] + ids if add_bos else ids
 
     def _bos(self) -> int:
