@@ -27,20 +27,19 @@ libzmq from running out of descriptors.
 from __future__ import annotations
 
 import errno
-import hmac
 import logging
 import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
-from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES, ConnectionGuard, Intake, connection_limit
+from dsv4.daemon.admission import Admission, ClientState, Live, Pending
+from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 
 IDLE_POLL_MS = 1000
@@ -56,31 +55,7 @@ SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 log = logging.getLogger("dsv4.daemon")
 
 
-@dataclass
-class _Live:
-    """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
-
-    client: bytes
-    rid: str
-    pieces: Any = None  # IncrementalDetokenizer when the client asked for per-token text
-
-
-@dataclass
-class _Pending:
-    """A text request whose prompt is being tokenized on the worker thread."""
-
-    client: bytes
-    req: P.Generate
-    params: Any
-
-
-@dataclass
-class _Client:
-    last_seen: float
-    requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
-
-
-class Server:
+class Server(Admission):
     """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
 
     def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
@@ -95,8 +70,8 @@ class Server:
         self._make_params = make_params or _sampling_params
         self.started = time.time()
         self.stop_reason: str | None = None
-        self._clients: dict[bytes, _Client] = {}
-        self._live: dict[str, _Live] = {}  # engine request id -> request
+        self._clients: dict[bytes, ClientState] = {}
+        self._live: dict[str, Live] = {}  # engine request id -> request
         self._next_id = 0
         self._last_reap = time.monotonic()
         self._ctx: zmq.Context | None = None
@@ -119,7 +94,7 @@ class Server:
             self.frame_limit_reason = f"for --max-model-len {config.max_model_len}"
         else:
             self.max_frame_bytes, self.frame_limit_reason = None, ""
-        self._pending: dict[str, _Pending] = {}  # engine request id -> request being tokenized
+        self._pending: dict[str, Pending] = {}  # engine request id -> request being tokenized
         self._intake = Intake(lambda: self._wake_w.send(b"\0"))
         self._guard: ConnectionGuard | None = None
 
@@ -254,35 +229,12 @@ class Server:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, client: bytes, body: list[bytes]) -> None:
-        if len(body) == 2 and body[0].startswith(P.KEY_PREFIX):
-            key, body = body[0], body[1:]
-        else:
-            key = b""
-        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
-            self._send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
-                                       "--api-key or DSV4_API_KEY"), reap=False)
+        admitted = self._admit(client, body)
+        if admitted is None:
             return
-        now = time.monotonic()
-        state = self._clients.get(client)
-        if state is None:
-            if len(self._clients) >= self.max_clients:
-                self._reap_silent_clients(force=True)
-            if len(self._clients) >= self.max_clients:
-                self._send(client, P.error(None, P.ERR_BUSY, f"the dsv4 daemon is busy: {len(self._clients)} "
-                                           f"clients connected (the limit); try again later"), reap=False)
-                return
-            state = self._clients[client] = _Client(last_seen=now)
-        state.last_seen = now
-        if len(body) != 1:
-            self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
-            return
-        if self.max_frame_bytes is not None and len(body[0]) > self.max_frame_bytes:
-            self._send(client, P.error(None, P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes exceeds the limit of "
-                                       f"{self.max_frame_bytes} bytes {self.frame_limit_reason}; send a shorter "
-                                       f"prompt"))
-            return
+        state, frame = admitted
         try:
-            req = P.decode_request(body[0])
+            req = P.decode_request(frame)
         except P.ProtocolError as e:
             log.warning("rejected a message: %s: %s", e.code, e.message)
             self._send(client, P.error(e.request_id, e.code, e.message))
@@ -303,74 +255,6 @@ class Server:
             self._send(client, P.ok(req.id, cancelled=erid is not None))
         elif isinstance(req, P.Generate):
             self._generate(client, state, req)
-
-    def _generate(self, client: bytes, state: _Client, req: P.Generate) -> None:
-        if self.stop_reason is not None:
-            self._send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
-            return
-        if req.id in state.requests:
-            self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
-            return
-        try:
-            params = self._make_params(req.params)
-        except (ValueError, TypeError) as e:  # RequestError is a ValueError
-            self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
-            return
-        if len(self._live) + len(self._pending) >= self.max_requests:
-            self._send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.max_requests} "
-                                       f"requests in flight (the limit); try again later"))
-            return
-        erid = f"r{self._next_id}"
-        self._next_id += 1
-        prompt: str | list[int] = req.prompt
-        encode = getattr(self.engine, "encode_request", None)
-        try:
-            if isinstance(prompt, str) and encode is not None:
-                self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
-                if len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES:
-                    self._pending[erid] = _Pending(client, req, params)
-                    state.requests[req.id] = erid
-                    self._intake.submit(erid, encode, prompt, prompt_mode=req.mode, system=req.system,
-                                        thinking=req.thinking)
-                    return
-                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking)
-        except Exception as e:  # noqa: BLE001  (RequestError: this request only)
-            self._reject(client, req, erid, e)
-            return
-        self._add(client, state, req, params, erid, prompt)
-
-    def _reject(self, client: bytes, req: P.Generate, erid: str, e: Exception) -> None:
-        if not isinstance(e, ValueError):
-            log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
-        self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
-
-    def _collect_tokenized(self) -> None:
-        """Queue the requests whose prompts the worker finished tokenizing (unless cancelled meanwhile)."""
-        for erid, fut in self._intake.done():
-            pending = self._pending.pop(erid, None)
-            if pending is None:
-                continue  # cancelled, or its client went away
-            state = self._clients.get(pending.client)
-            if state is not None:
-                state.requests.pop(pending.req.id, None)
-            if fut.exception() is not None:
-                self._reject(pending.client, pending.req, erid, fut.exception())  # type: ignore[arg-type]
-            elif state is not None:
-                self._add(pending.client, state, pending.req, pending.params, erid, fut.result())
-
-    def _add(self, client: bytes, state: _Client, req: P.Generate, params: Any, erid: str,
-             prompt: str | list[int]) -> None:
-        """Hand one request to the engine and start tracking it."""
-        try:
-            self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
-                                    system=req.system, thinking=req.thinking)
-        except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
-            self._reject(client, req, erid, e)
-            return
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
-        self._live[erid] = _Live(client, req.id, pieces)
-        state.requests[req.id] = erid
 
     # ------------------------------------------------------------------ engine
     def _step(self) -> None:
@@ -398,7 +282,7 @@ class Server:
             state = self._clients.get(pending.client)
             if state is not None:
                 state.requests.pop(pending.req.id, None)
-            live: _Live | None = _Live(pending.client, pending.req.id)
+            live: Live | None = Live(pending.client, pending.req.id)
         else:
             live = self._forget(erid)
             try:
@@ -410,7 +294,7 @@ class Server:
         if notify and live is not None:
             self._send(live.client, P.final(live.rid, reason, error), reap=False)
 
-    def _forget(self, erid: str) -> _Live | None:
+    def _forget(self, erid: str) -> Live | None:
         live = self._live.pop(erid, None)
         if live is not None:
             state = self._clients.get(live.client)
