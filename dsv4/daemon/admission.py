@@ -69,8 +69,9 @@ class Admission:
         now = time.monotonic()
         state = self._clients.get(client)
         if state is None:
-            if len(self._clients) >= self.max_clients:
-                self._reap_silent_clients(force=True)
+            if len(self._clients) >= self.max_clients:  # forget clients with nothing in flight first
+                for idle in [c for c, st in self._clients.items() if not st.requests]:
+                    del self._clients[idle]
             if len(self._clients) >= self.max_clients:
                 self._send(client, P.error(None, P.ERR_BUSY, f"the dsv4 daemon is busy: {len(self._clients)} "
                                            f"clients connected (the limit); try again later"), reap=False)

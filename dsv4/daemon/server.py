@@ -48,7 +48,7 @@ MAX_BYTES_PER_TURN = 1 << 20  # while the engine has work: then the next step ru
 FRAME_SLACK_BYTES = 64 << 10  # a request's fields besides prompt and system (params, stop strings, ids)
 SEND_HWM = 100_000
 HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
-MAX_CLIENTS = 256
+MAX_CLIENTS = 256  # with requests in flight (idle ones are forgotten when the table is full)
 MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
 SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 
@@ -326,9 +326,9 @@ class Server(Admission):
             # tell it too, in case it is alive after all (say, stopped for a while): best effort
             self._abort(erid, notify=True, error=f"request cancelled: client {why}")
 
-    def _reap_silent_clients(self, force: bool = False) -> None:
+    def _reap_silent_clients(self) -> None:
         now = time.monotonic()
-        if now - self._last_reap < 0.5 and not force:
+        if now - self._last_reap < 0.5:
             return
         self._last_reap = now
         for client, state in list(self._clients.items()):

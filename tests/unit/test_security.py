@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket as pysocket
 import stat
 import subprocess
 import sys
@@ -262,18 +263,26 @@ def test_too_many_clients_or_requests_get_busy_and_others_keep_working() -> None
     h = Harness(FakeEngine(step_delay=0.01), max_clients=2, max_requests=3)
     clients = [Client(h.endpoint) for _ in range(3)]
     try:
-        clients[0].connect()
-        clients[1].connect()
+        rids = []
+        for c in clients[:2]:  # two clients with requests in flight: the table is full
+            c.connect()
+            rids.append((c, c.generate("long", {"max_tokens": 100000})))
+            assert c.status()["in_flight"] == len(rids)
         with pytest.raises(DaemonError, match="busy: 2 clients"):
             clients[2].connect()
-        rids = [clients[0].generate("long", {"max_tokens": 100000}) for _ in range(3)]
-        assert clients[0].status()["in_flight"] == 3  # answered after the three generates (one connection)
+        rids.append((clients[0], clients[0].generate("long", {"max_tokens": 100000})))
+        assert clients[0].status()["in_flight"] == 3  # answered after its generate (one connection)
         extra = clients[1].generate("one more", {"max_tokens": 2})
         with pytest.raises(DaemonError, match="busy: 3 requests"):
             list(clients[1].stream(extra, deadline=time.monotonic() + 10))
-        for rid in rids:
-            clients[0].cancel(rid)
-        assert collect(clients[1], clients[1].generate("now", {"max_tokens": 2}))[0] == "xx"
+        for c, rid in rids:
+            c.cancel(rid)
+        # nothing in flight now: idle clients are forgotten to make room for a new one
+        clients[2].close(0)
+        clients[2] = Client(h.endpoint)
+        clients[2].connect()
+        assert collect(clients[2], clients[2].generate("now", {"max_tokens": 2}))[0] == "xx"
+        assert collect(clients[1], clients[1].generate("again", {"max_tokens": 1}))[0] == "x"
     finally:
         for c in clients:
             c.close(0)
@@ -338,3 +347,62 @@ def test_cancelling_a_request_while_its_prompt_is_tokenized() -> None:
     finally:
         engine.release.set()
         h.close()
+
+
+# ---------------------------------------------------------------------- 6: the descriptor guard
+def test_connection_guard_counts_churn_exactly() -> None:
+    h = Harness()
+    path = h.endpoint[len("ipc://"):]
+    ctx = zmq.Context()
+    kept = []
+    try:
+        for i in range(10):
+            s = pysocket.socket(pysocket.AF_UNIX)  # closed at once, or after a garbage greeting
+            s.connect(path)
+            if i % 2:
+                s.send(b"\x00not a zmtp greeting" * 4)
+            s.close()
+            d = ctx.socket(zmq.DEALER)
+            d.connect(h.endpoint)
+            d.send(b"x")
+            if i % 3 == 0:
+                kept.append(d)
+            else:
+                d.close(0)
+        assert wait_for(lambda: h.server._guard.open == len(kept) == 4)  # only the DEALERs still open
+    finally:
+        ctx.destroy(0)
+        h.close()
+
+
+def test_connection_guard_refuses_at_its_limit_then_accepts_again() -> None:
+    h = Harness(max_connections=5)
+    path = h.endpoint[len("ipc://"):]
+    held = []
+    try:
+        for _ in range(5):
+            s = pysocket.socket(pysocket.AF_UNIX)
+            s.connect(path)
+            held.append(s)
+        assert wait_for(lambda: h.server._guard.refusals == 1)
+        for s in held:  # dropped: after the server's greeting, end of file (a timeout would raise)
+            s.settimeout(10)
+            while s.recv(4096):
+                pass
+        with Client(h.endpoint) as c:  # zmq retries until the endpoint is bound again
+            c.connect(timeout_s=10)
+            assert collect(c, c.generate("hi", {"max_tokens": 2}))[0] == "xx"
+        assert h.server._guard.refusals == 1
+    finally:
+        for s in held:
+            s.close()
+        h.close()
+
+
+def wait_for(cond: Any, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
