@@ -73,8 +73,8 @@ def serve(
     endpoint = resolve_endpoint(socket)
     if O.check_listen_key(endpoint, api_key):
         O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
+    paths.ensure_private_dir(paths.state_dir(endpoint))  # refuses a directory another user controls
     config = O.build_config(kw)  # validation only: no weights are read
-    paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
         from dsv4.daemon.process import engine_settings, report_running, spawn_detached
 
