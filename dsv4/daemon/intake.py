@@ -105,8 +105,8 @@ class ConnectionGuard:
             elif event == zmq.EVENT_DISCONNECTED:
                 self.open = max(0, self.open - 1)
         if self._unbound_at is None and self.open >= self.limit:
-            log.warning("%d connections open (the limit, from the descriptor limit): refusing connections "
-                        "for %.0f s; every connection is dropped", self.open, REBIND_PAUSE_S)
+            log.warning("%d connections open (limit %d, from the descriptor limit): refusing connections "
+                        "for %.0f s; every connection is dropped", self.open, self.limit, REBIND_PAUSE_S)
             self.sock.unbind(self.endpoint)  # also closes the listener's connections
             self.open = 0
             self.refusals += 1
