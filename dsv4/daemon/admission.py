@@ -23,6 +23,8 @@ from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES
 
 log = logging.getLogger("dsv4.daemon")
 
+SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
+
 
 @dataclass
 class Live:

@@ -38,7 +38,7 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
-from dsv4.daemon.admission import Admission, ClientState, Live, Pending
+from dsv4.daemon.admission import SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 
@@ -50,7 +50,6 @@ SEND_HWM = 100_000
 HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
 MAX_CLIENTS = 256  # with requests in flight (idle ones are forgotten when the table is full)
 MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
-SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 
 log = logging.getLogger("dsv4.daemon")
 

@@ -406,3 +406,13 @@ def wait_for(cond: Any, timeout: float = 15.0) -> bool:
             return True
         time.sleep(0.05)
     return bool(cond())
+
+
+def test_generate_while_stopping_is_refused_with_its_reason() -> None:
+    server = Server(FakeEngine(), "ipc:///nonexistent/s.sock", make_params=fake_params)
+    sent: list[dict[str, Any]] = []
+    server._send = lambda client, msg, reap=True: sent.append(msg) or True  # type: ignore[method-assign]
+    server.stop_reason = "stop requested by a client"
+    server._handle(b"c", [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "generate", "id": "g", "prompt": "hi"})])
+    assert [(m["type"], m["code"]) for m in sent] == [("error", P.ERR_SHUTTING_DOWN)]
+    server.close()
