@@ -50,10 +50,10 @@ class _Record:
 
 
 class _DaemonBackend:
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, api_key: str | None = None) -> None:
         from dsv4.daemon.client import Client
 
-        self.client = Client(endpoint)
+        self.client = Client(endpoint, api_key=api_key)
         self.client.connect()
         self.info = self.client.status()
 
@@ -173,18 +173,18 @@ def _int_list(flag: str, value: str) -> list[int]:
 
 
 def bench(
-    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", min=1, help="Prompt tokens per request.")]
+    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", min=1, max=O.MAX_INT, help="Prompt tokens per request.")]
     = 256,
-    gen_len: Annotated[int, typer.Option("--gen-len", metavar="N", min=1, help="Tokens generated per request.")]
+    gen_len: Annotated[int, typer.Option("--gen-len", metavar="N", min=1, max=O.MAX_INT, help="Tokens generated per request.")]
     = 16,
     concurrency: Annotated[str, typer.Option("--concurrency", metavar="LIST",
                                              help="Comma-separated concurrency levels.")] = "1,8",
-    num_prompts: Annotated[int, typer.Option("--num-prompts", metavar="N", min=1,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", metavar="N", min=1, max=O.MAX_INT,
                                              help="Measured requests per concurrency level and arm.")] = 16,
     mtp: Annotated[str, typer.Option("--mtp", metavar="LIST", help="Arms to run: on, off or on,off.")] = "on,off",
     dataset: Annotated[str, typer.Option("--dataset", metavar="random|FILE",
                                          help="Random token ids, or windows of a text FILE.")] = "random",
-    warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0,
+    warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, max=O.MAX_INT,
                                         help="Warmup requests before each measured run.")] = 2,
     json_file: Annotated[Optional[str], typer.Option("--json", metavar="FILE",
                                                      help="Write all results as JSON to FILE ('-' = stdout).")]
@@ -194,9 +194,7 @@ def bench(
     http: Annotated[Optional[str], typer.Option(
         "--http", metavar="URL", help="Benchmark an OpenAI-compatible server (dsv4 serve --http) at URL, "
                                       "e.g. http://127.0.0.1:8000, instead of the daemon's socket")] = None,
-    api_key: Annotated[Optional[str], typer.Option(
-        "--api-key", metavar="KEY", envvar="DSV4_API_KEY", show_envvar=False,
-        help="API key for --http [env: DSV4_API_KEY]")] = None,
+    api_key: O.ApiKey = None,
     local: Annotated[bool, typer.Option("--local", help="Benchmark an engine in this process instead of the "
                                         "daemon (takes the engine options of 'dsv4 serve' but --seed).")] = False,
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
@@ -222,7 +220,7 @@ def bench(
 
         backend: Any = HttpBackend(http, api_key)
     else:
-        backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket))
+        backend = _LocalBackend(engine) if local else _DaemonBackend(resolve_endpoint(socket), api_key)
     try:
         info = backend.info
         vocab = int(info.get("vocab_size") or 0)

@@ -90,14 +90,14 @@ def _readline() -> Callable[[str], str]:
 
 
 def run_chat(socket: str | None, system: str | None = None, thinking: bool = False,
-             params: Optional[dict[str, Any]] = None) -> int:
+             params: Optional[dict[str, Any]] = None, api_key: str | None = None) -> int:
     """The interactive loop against the daemon; returns the exit status."""
     from dsv4.daemon.client import Client, DaemonError
     from dsv4.daemon.paths import resolve_endpoint
     from dsv4.engine.tokenizer import Tokenizer, TokenizerError
 
     read = _readline()
-    with Client(resolve_endpoint(socket)) as client:
+    with Client(resolve_endpoint(socket), api_key=api_key) as client:
         client.connect()
         model = str(client.status().get("model") or "")
         try:
@@ -157,15 +157,15 @@ def chat(
                                                   help="System prompt (models with a chat template).")] = None,
     think: Annotated[bool, typer.Option("--think", help="Thinking mode (models with a chat template).")] = False,
     temperature: Annotated[Optional[float], typer.Option(
-        "--temperature", metavar="T", min=0.0, show_default=False,
+        "--temperature", metavar="T", min=0.0, show_default=False, callback=O.finite,
         help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, max=O.MAX_INT,
                                             help="Most tokens per answer.")] = 256,
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
 ) -> None:
     if not sys.stdin.isatty():
         raise CliError("dsv4 chat needs a terminal; use 'dsv4 run' in pipelines", O.EXIT_USAGE)
     params: dict[str, Any] = {"max_tokens": max_tokens}
     if temperature is not None:
         params["temperature"] = temperature
-    raise typer.Exit(run_chat(socket, system, think, params))
+    raise typer.Exit(run_chat(socket, system, think, params, api_key))

@@ -72,6 +72,10 @@ def serve(
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, threads=threads)
+    endpoint = resolve_endpoint(socket)
+    if O.check_listen_key(endpoint, api_key):
+        O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
+    paths.ensure_private_dir(paths.state_dir(endpoint))  # refuses a directory another user controls
     config = O.build_config(kw)  # validation only: no weights are read
     http_server = None
     if http is not None:
@@ -81,19 +85,19 @@ def serve(
             http_server = HttpServer(parse_address(http, api_key), api_key)
         except HttpError as e:
             raise CliError(str(e), O.EXIT_USAGE) from None
-    endpoint = resolve_endpoint(socket)
-    paths.ensure_private_dir(paths.state_dir(endpoint))
     if detach:
-        from dsv4.daemon.process import report_running, spawn_detached
+        from dsv4.daemon.process import engine_settings, report_running, spawn_detached
 
         if paths.daemon_pid(endpoint) is not None:
-            O.err(report_running(endpoint))
+            same, line = report_running(endpoint, engine_settings(config), api_key)
+            if not same:
+                raise CliError(line)
+            O.err(line)
             raise typer.Exit(O.EXIT_OK)
         try:
-            if api_key:
-                os.environ["DSV4_API_KEY"] = api_key  # to the child through its environment, not its argv
             http_argv = ["--http", http] if http is not None else []
-            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint, *http_argv], endpoint)
+            pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint, *http_argv], endpoint,
+                                       api_key=api_key)
         except TimeoutError as e:
             raise CliError(str(e), O.EXIT_TIMEOUT) from None
         except RuntimeError as e:
@@ -102,18 +106,18 @@ def serve(
         raise typer.Exit(O.EXIT_OK)
     from dsv4.daemon.process import run_daemon
 
-    raise typer.Exit(run_daemon(config, endpoint, http_server))
+    raise typer.Exit(run_daemon(config, endpoint, http_server, api_key=api_key))
 
 
 @app.command()
 def status(
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
 ) -> None:
     """Show the daemon's model, device, uptime, requests, totals and MTP acceptance."""
     from dsv4.daemon.client import Client
 
-    with Client(resolve_endpoint(socket)) as c:
+    with Client(resolve_endpoint(socket), api_key=api_key) as c:
         c.connect()
         st = c.status()
     if as_json:
@@ -126,7 +130,7 @@ def status(
 
 @app.command()
 def stop(
-    socket: O.Socket = None,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
                                            help="How long to wait for the daemon to exit (exit 75 after).")] = 30.0,
 ) -> None:
@@ -134,19 +138,28 @@ def stop(
     from dsv4.daemon.client import Client, wait_for_release
 
     endpoint = resolve_endpoint(socket)
-    with Client(endpoint) as c:
+    with Client(endpoint, api_key=api_key) as c:
         pong = c.connect()
         c.shutdown()
-    if not wait_for_release(endpoint, timeout):
-        raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) did not exit within {timeout:g} s", O.EXIT_TIMEOUT)
+    pid = pong.get("pid") if isinstance(pong.get("pid"), int) else None
+    if not wait_for_release(endpoint, timeout, pid):
+        raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) is still exiting after {timeout:g} s",
+                       O.EXIT_TIMEOUT)
     O.err(f"dsv4 daemon (pid {pong.get('pid')}) stopped")
 
 
 # ---------------------------------------------------------------------- helpers
+# Errors of a model that cannot be loaded or a request that cannot run: one line, exit 1
+_LOADING_ERRORS = [("dsv4.model.checkpoint", "CheckpointError", "checkpoint error: "),
+                   ("dsv4.engine.tokenizer", "TokenizerError", "tokenizer error: "),
+                   ("dsv4.config", "ConfigError", "model config error: "),
+                   ("dsv4.engine.request", "RequestError", "")]
+
+
 def _exit_status(e: BaseException) -> tuple[int, str | None]:
     """Exit status and the one line to print for an exception."""
     from dsv4.daemon.client import DaemonError, DaemonTimeout, DaemonUnreachable
-    from dsv4.daemon.paths import PathError
+    from dsv4.daemon.paths import PathError, UnsafePathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
     if isinstance(e, CliError):
@@ -157,8 +170,14 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
         return O.EXIT_TIMEOUT, str(e)
     if isinstance(e, DaemonError):
         return (O.EXIT_USAGE if e.code == ERR_INVALID_PARAMS else O.EXIT_ERROR), f"daemon: {e.message}"
+    if isinstance(e, UnsafePathError):
+        return O.EXIT_ERROR, str(e)
     if isinstance(e, PathError):
         return O.EXIT_USAGE, str(e)
+    for module, name, prefix in _LOADING_ERRORS:  # the module is loaded when one of its errors was raised
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(e, cls):
+            return O.EXIT_ERROR, f"{prefix}{e}"
     if isinstance(e, (KeyboardInterrupt, typer.Abort)):
         return O.EXIT_INTERRUPTED, None
     if isinstance(e, ClickException):

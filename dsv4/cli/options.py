@@ -22,6 +22,8 @@ EXIT_TIMEOUT = 75  # EX_TEMPFAIL
 EXIT_INTERRUPTED = 130
 
 ENGINE_PANEL = "Engine options"
+MAX_INT = 2**31 - 1  # counts (tokens, requests) at the CLI: larger ones are usage errors, not overflows
+MAX_SEED = 2**64 - 1
 
 
 class CliError(Exception):
@@ -48,7 +50,9 @@ Http = Annotated[Optional[str], typer.Option(
          "/health, /metrics) on HOST:PORT; a host other than loopback needs --api-key [default: off]")]
 ApiKey = Annotated[Optional[str], typer.Option(
     "--api-key", metavar="KEY", envvar="DSV4_API_KEY", show_envvar=False,
-    help="Clients must send this key ('Authorization: Bearer KEY' over HTTP) [env: DSV4_API_KEY]")]
+    help="Shared secret every request must carry (ZeroMQ requests; 'Authorization: Bearer KEY' over HTTP); "
+         "required to serve on a non-loopback address. Prefer the environment variable: a flag is visible "
+         "to other users in ps [env: DSV4_API_KEY]")]
 Model = Annotated[Optional[Path], typer.Option(
     "--model", metavar="DIR", rich_help_panel=ENGINE_PANEL,
     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: the embedded "
@@ -59,26 +63,26 @@ Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="DTYPE", rich_help_panel=ENGINE_PANEL,
     help="auto, float32, bfloat16 or float16 [default: auto = float32 on cpu, bfloat16 otherwise]")]
 MaxNumSeqs = Annotated[Optional[int], typer.Option(
-    "--max-num-seqs", metavar="N", rich_help_panel=ENGINE_PANEL,
+    "--max-num-seqs", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
     help="Most requests running at once (state slots) [default: 8]")]
 MaxModelLen = Annotated[Optional[int], typer.Option(
-    "--max-model-len", metavar="N", rich_help_panel=ENGINE_PANEL,
+    "--max-model-len", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
     help="Most tokens (prompt + output) of one request [default: min(model maximum, 2048)]")]
 MaxBatched = Annotated[Optional[int], typer.Option(
-    "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL,
+    "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
     help="Token budget of one engine step [default: prefill limit + max-num-seqs * (1 + K)]")]
 LongPrefill = Annotated[Optional[int], typer.Option(
-    "--long-prefill-token-threshold", metavar="N", rich_help_panel=ENGINE_PANEL,
+    "--long-prefill-token-threshold", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
     help="Lower the prefill chunk size below the model's prefill limit (0 = no extra limit) [default: 0]")]
 Chunked = Annotated[Optional[bool], typer.Option(
     "--enable-chunked-prefill/--no-enable-chunked-prefill", rich_help_panel=ENGINE_PANEL, show_default=False,
     help="Split long prompts into chunks of at most the prefill limit; off = each prompt in one dispatch "
          "[default: on]")]
 NumSpec = Annotated[Optional[int], typer.Option(
-    "--num-speculative-tokens", metavar="K", rich_help_panel=ENGINE_PANEL,
+    "--num-speculative-tokens", metavar="K", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
     help="MTP drafts per decode step, 0 = off [default: 1 when the checkpoint has MTP weights, else 0]")]
 EngineSeed = Annotated[Optional[int], typer.Option(
-    "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, help="Engine random seed [default: 0]")]
+    "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_SEED, help="Engine random seed [default: 0]")]
 Profile = Annotated[Optional[Path], typer.Option(
     "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL, envvar="DSV4_PROFILE_DIR", show_envvar=False,
     help="Write torch profiler traces of engine steps (prefill chunks, verify, MTP) into DIR; off by default "
@@ -99,8 +103,9 @@ ENGINE_FLAGS = {
 
 
 def engine_kwargs(**given: Any) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset."""
-    kw = {k: (str(v) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
+    """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset.
+    Paths are made absolute (a detached daemon runs in `/`)."""
+    kw = {k: (str(v.absolute()) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
     kw.setdefault("model", str(dsv4.DEFAULT_MODEL))
     return kw
 
@@ -126,6 +131,33 @@ def engine_argv(kw: dict[str, Any]) -> list[str]:
         else:
             argv += [flag, str(value)]
     return argv
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback: refuse inf and nan (a usage error naming the option)."""
+    import math
+
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"must be a finite number, got {value}")
+    return value
+
+
+def check_listen_key(endpoint: str, api_key: str | None) -> bool:
+    """Refuse a non-loopback tcp:// endpoint without an API key (usage error naming the flag);
+    True when the daemon will listen on loopback tcp without a key (worth a warning)."""
+    if not endpoint.startswith("tcp://") or api_key:
+        return False
+    import ipaddress
+
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise CliError(f"serving on {endpoint} lets anyone who can reach it read and stop the daemon: set a "
+                       f"shared secret with --api-key or DSV4_API_KEY (clients need the same key)", EXIT_USAGE)
+    return True
 
 
 def build_config(kw: dict[str, Any]) -> Any:

@@ -28,34 +28,34 @@ def run(
     prompt: Annotated[Optional[str], typer.Argument(
         metavar="[PROMPT|-]", help="The prompt; '-' reads it from stdin. Piped stdin comes before PROMPT.",
         show_default=False)] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, help="Most tokens to generate.")]
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, max=O.MAX_INT, help="Most tokens to generate.")]
     = 256,
     temperature: Annotated[Optional[float], typer.Option(
-        "--temperature", metavar="T", min=0.0, show_default=False,
+        "--temperature", metavar="T", min=0.0, show_default=False, callback=O.finite,
         help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
     top_p: Annotated[Optional[float], typer.Option(
-        "--top-p", metavar="P", min=0.0, max=1.0, show_default=False,
+        "--top-p", metavar="P", min=0.0, max=1.0, show_default=False, callback=O.finite,
         help="Nucleus sampling: keep the top tokens with this much mass [default: the model's, else 1 = off]")]
     = None,
     top_k: Annotated[Optional[int], typer.Option(
-        "--top-k", metavar="K", min=0, show_default=False,
+        "--top-k", metavar="K", min=0, max=O.MAX_INT, show_default=False,
         help="Keep the K most likely tokens; 0 = all [default: the model's, else 0]")] = None,
     min_p: Annotated[Optional[float], typer.Option(
-        "--min-p", metavar="P", min=0.0, max=1.0, show_default=False,
+        "--min-p", metavar="P", min=0.0, max=1.0, show_default=False, callback=O.finite,
         help="Keep tokens with probability >= P times the top one; 0 = off [default: the model's, else 0]")]
     = None,
     repetition_penalty: Annotated[Optional[float], typer.Option(
-        "--repetition-penalty", metavar="R", show_default=False,
+        "--repetition-penalty", metavar="R", show_default=False, callback=O.finite,
         help="Divide the logits of tokens already in the prompt or output by R (> 1 discourages repeats) "
              "[default: the model's, else 1 = off]")] = None,
     presence_penalty: Annotated[Optional[float], typer.Option(
-        "--presence-penalty", metavar="P", show_default=False,
+        "--presence-penalty", metavar="P", show_default=False, callback=O.finite,
         help="Subtract P from tokens already generated, -2..2 [default: the model's, else 0]")] = None,
     frequency_penalty: Annotated[Optional[float], typer.Option(
-        "--frequency-penalty", metavar="F", show_default=False,
+        "--frequency-penalty", metavar="F", show_default=False, callback=O.finite,
         help="Subtract F per earlier occurrence in the output, -2..2 [default: the model's, else 0]")] = None,
     seed: Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0,
-                                                help="Seed for sampling (reproducible output).")] = None,
+                                                max=O.MAX_SEED, help="Seed for sampling (reproducible output).")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT",
                                                       help="Stop when TEXT is generated (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,
@@ -71,8 +71,8 @@ def run(
     show_drafts: Annotated[bool, typer.Option("--show-drafts", help="On a terminal, colour accepted MTP draft "
                                               "tokens (green) apart from target-model tokens.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
-                                           help="Give up after this long (exit 75); 0 = no limit.")] = 0.0,
-    socket: O.Socket = None,
+                                           callback=O.finite, help="Give up after this long (exit 75); 0 = no limit.")] = 0.0,
+    socket: O.Socket = None, api_key: O.ApiKey = None,
     local: Annotated[bool, typer.Option("--local", help="Run an engine in this process (takes the engine options "
                                         "of 'dsv4 serve') instead of using the daemon.")] = False,
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
@@ -97,7 +97,7 @@ def run(
     if prompt is None and not local and not as_json and _isatty(sys.stdin) and _isatty(sys.stdout):
         from dsv4.cli.chat import run_chat  # no prompt on a terminal: an interactive session
 
-        raise typer.Exit(run_chat(socket, system, think, params))
+        raise typer.Exit(run_chat(socket, system, think, params, api_key))
     text = read_prompt(prompt)
     if stop:
         params["stop"] = list(stop)
@@ -108,7 +108,7 @@ def run(
     if local:
         code = out.drive(_local_events(engine, request, out.colour, on_loaded=out.loaded), on_interrupt=None)
     else:
-        code = out.drive_daemon(request, socket, deadline)
+        code = out.drive_daemon(request, socket, deadline, api_key)
     if verbose:
         out.print_stats()
     raise typer.Exit(code)
@@ -119,21 +119,39 @@ def _interrupt(signum: int, _frame: Any) -> None:
 
 
 def read_prompt(arg: str | None) -> str:
-    """The prompt from `arg`, '-', or piped stdin (stdin first, then the argument)."""
+    """The prompt from `arg`, '-', or piped stdin (stdin first, then the argument).
+
+    Bytes that are not UTF-8 (in stdin or the argument) become U+FFFD; an empty prompt is a usage error."""
     stdin = sys.stdin
     piped = stdin is not None and not _isatty(stdin)
+    if arg is not None:
+        arg = arg.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
     if arg == "-":
         if stdin is None:
             raise CliError("'-' reads the prompt from stdin, but there is no stdin", O.EXIT_USAGE)
-        return stdin.read()
-    data = stdin.read() if piped else ""
+        return _nonempty(_read_text(stdin))
+    data = _read_text(stdin) if piped else ""
     if arg is None:
         if not data:
             raise CliError("no prompt: give it as an argument, as '-' to read stdin, or pipe it in", O.EXIT_USAGE)
         return data
     if data:
         return data + ("" if data.endswith("\n") else "\n") + arg
-    return arg
+    return _nonempty(arg)
+
+
+def _read_text(f: Any) -> str:
+    """All of `f` as text, invalid UTF-8 replaced (U+FFFD) rather than an error."""
+    buf = getattr(f, "buffer", None)
+    if buf is None:
+        return f.read()
+    return buf.read().decode("utf-8", "replace")
+
+
+def _nonempty(text: str) -> str:
+    if not text:
+        raise CliError("the prompt is empty; give at least one character", O.EXIT_USAGE)
+    return text
 
 
 def _isatty(f: Any) -> bool:
@@ -161,13 +179,14 @@ class Output:
         self.load_s: float | None = None  # --local: model load time, kept out of TTFT
 
     # ------------------------------------------------------------------ driving
-    def drive_daemon(self, request: dict[str, Any], socket: str | None, deadline: float | None) -> int:
+    def drive_daemon(self, request: dict[str, Any], socket: str | None, deadline: float | None,
+                     api_key: str | None = None) -> int:
         """Send the request to the daemon and stream its events; returns the exit status."""
         from dsv4.daemon.client import Client, DaemonTimeout
         from dsv4.daemon.paths import resolve_endpoint
 
-        with Client(resolve_endpoint(socket)) as client:
-            client.connect()
+        with Client(resolve_endpoint(socket), api_key=api_key) as client:
+            client.connect(deadline=deadline)
             self.t0 = time.monotonic()
             rid = client.generate(request["prompt"], request["params"], mode=request["mode"],
                                   system=request["system"], thinking=request["thinking"], pieces=self.colour)

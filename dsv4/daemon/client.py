@@ -1,10 +1,14 @@
 """A client of the daemon: one DEALER socket, any number of requests in flight.
 
-ZeroMQ `connect` succeeds with nobody listening, so `Client.connect()` first checks the
-pid file's lock (an ipc socket with no live daemon behind it fails at once) and then
+ZeroMQ `connect` succeeds with nobody listening, so `Client.connect()` first checks that
+the socket directory can be trusted (`paths.check_private_dir`: ours, private, no
+symlink; else `UnsafePathError` before a byte is sent), then the pid file's lock, then
+that the socket is a socket of ours (an ipc socket with no live daemon behind it fails at once) and then
 pings with a timeout; both failures raise `DaemonUnreachable` with the hint to start
 the daemon. While waiting for replies the client pings every HEARTBEAT_INTERVAL_S so the
-daemon knows it is alive, and checks that the daemon still is.
+daemon knows it is alive, and checks that the daemon still is. With an API key
+(`api_key`, default `$DSV4_API_KEY`) every message goes out as two frames, the key
+(prefixed with `protocol.KEY_PREFIX`) and the message.
 
     with Client(endpoint) as c:
         c.connect()
@@ -15,6 +19,7 @@ daemon knows it is alive, and checks that the daemon still is.
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from typing import Any, Iterator
@@ -22,7 +27,7 @@ from typing import Any, Iterator
 import zmq
 
 from dsv4.daemon import protocol as P
-from dsv4.daemon.paths import daemon_pid, ipc_path
+from dsv4.daemon.paths import check_private_dir, check_socket_file, daemon_pid, ipc_path
 
 PING_TIMEOUT_S = 3.0
 BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers between engine steps, which can be long
@@ -54,8 +59,10 @@ def new_id() -> str:
 class Client:
     """A DEALER connection to the daemon at `endpoint`."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, api_key: str | None = None) -> None:
         self.endpoint = endpoint
+        key = api_key if api_key is not None else os.environ.get("DSV4_API_KEY", "")
+        self._key_frame = P.KEY_PREFIX + key.encode() if key else None
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
@@ -84,7 +91,10 @@ class Client:
         if len(frame) > P.MAX_MESSAGE_BYTES:  # the daemon would drop it without a reply
             raise DaemonError(P.ERR_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of "
                                                f"{P.MAX_MESSAGE_BYTES}; send a shorter prompt")
-        self._sock.send(frame)
+        if self._key_frame is not None:
+            self._sock.send_multipart([self._key_frame, frame])
+        else:
+            self._sock.send(frame)
         self._last_sent = time.monotonic()
 
     def recv(self, timeout_s: float | None) -> dict[str, Any] | None:
@@ -119,18 +129,28 @@ class Client:
             self._pending.extend(held)
 
     # ------------------------------------------------------------------ commands
-    def connect(self, timeout_s: float = PING_TIMEOUT_S) -> dict[str, Any]:
-        """Make sure a daemon answers; returns its pong. Raises `DaemonUnreachable`."""
+    def connect(self, timeout_s: float = PING_TIMEOUT_S, deadline: float | None = None) -> dict[str, Any]:
+        """Make sure a daemon answers; returns its pong. Raises `DaemonUnreachable`, or
+        `DaemonTimeout` when the `deadline` (monotonic, e.g. `run --timeout`) passes first."""
         path = ipc_path(self.endpoint)
+        if path is not None and not check_private_dir(path.parent, create=False):
+            raise DaemonUnreachable(NOT_RUNNING)
         if path is not None:
             pid = daemon_pid(self.endpoint)
             if pid is None:
                 raise DaemonUnreachable(f"{NOT_RUNNING} (found a stale socket {path})" if path.exists()
                                         else NOT_RUNNING)
-            if not path.exists():
+            if not check_socket_file(path):
                 raise DaemonUnreachable(f"the dsv4 daemon (pid {pid}) is still starting (loading the model); "
                                         f"try again shortly")
             timeout_s = max(timeout_s, BUSY_PING_TIMEOUT_S)  # its pid is alive: it may be mid-step
+        if deadline is not None and deadline - time.monotonic() < timeout_s:
+            try:
+                self.daemon = self.call(P.Ping(new_id()), max(0.0, deadline - time.monotonic()))
+            except DaemonTimeout:
+                raise DaemonTimeout(f"the dsv4 daemon at {self.endpoint} did not answer before the timeout "
+                                    f"(see --timeout)") from None
+            return self.daemon
         try:
             self.daemon = self.call(P.Ping(new_id()), timeout_s)
         except DaemonTimeout:
@@ -204,15 +224,32 @@ class Client:
                     return
 
 
-def wait_for_release(endpoint: str, timeout_s: float) -> bool:
-    """Wait until no process holds the pid lock of `endpoint` (the daemon removed its files); False on timeout.
+def wait_for_release(endpoint: str, timeout_s: float, pid: int | None = None) -> bool:
+    """Wait until no process holds the pid lock of `endpoint` (the daemon removed its files)
+    and, for a local (ipc) daemon with a known `pid`, until that process is gone; False on timeout.
 
-    The lock, not the pid, is watched: a daemon that exited but was not yet reaped by
-    its parent still answers `kill(pid, 0)`.
+    A daemon that exited but was not yet reaped by its parent (a zombie) counts as gone.
     """
     deadline = time.monotonic() + timeout_s
-    while daemon_pid(endpoint) is not None:
+    while daemon_pid(endpoint) is not None or (pid and ipc_path(endpoint) is not None and _alive(pid)):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)
     return True
+
+
+def _alive(pid: int) -> bool:
+    """True while process `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to a signal probe
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True

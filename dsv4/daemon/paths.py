@@ -9,6 +9,14 @@
 * Pid file: `<socket path>.pid`, held with an exclusive `flock` for the daemon's life.
   A lock that can be taken means no daemon: any socket or pid file left is stale.
 * Log file (`serve --detach`): `$XDG_STATE_HOME/dsv4/dsv4.log`, else `~/.local/state/dsv4/dsv4.log`.
+
+Trust (both sides, before binding and before connecting): the socket directory -- the
+default one, or the parent of an explicit `ipc://` path -- must not be a symlink
+(`lstat`), must be owned by the current user, and must have no group/world access
+(mode 0700); it is created that way when missing and never chmod-ed into shape. The
+socket must be a socket owned by the current user. Pid and log files are opened with
+`O_NOFOLLOW`, created 0600, and must be regular files owned by us. Any mismatch is an
+`UnsafePathError` saying what is wrong and how to fix it (exit status 1).
 """
 
 from __future__ import annotations
@@ -26,6 +34,12 @@ SOCKET_NAME = "dsv4.sock"
 
 class PathError(Exception):
     """An endpoint or directory that cannot be used; one-line message with a hint."""
+
+
+class UnsafePathError(PathError):
+    """A socket directory, socket, pid or log file that another user could control (exit status 1)."""
+
+    hint = "remove it, or set XDG_RUNTIME_DIR or DSV4_SOCKET (--socket) to a private place"
 
 
 def _runtime_base() -> Path:
@@ -91,23 +105,75 @@ def pid_file(endpoint: str) -> Path:
     return _runtime_base() / f"{name}.pid"
 
 
-def ensure_private_dir(d: Path) -> None:
-    """Create `d` (mode 0700) if missing; a directory under /tmp must be ours and not group/world-writable."""
+def check_private_dir(d: Path, *, create: bool) -> bool:
+    """Refuse a directory another user could control; create it (0700) when missing and `create`.
+
+    True when `d` exists (and is trusted), False when it is missing and not created.
+    """
     try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = d.stat()
-    except OSError as e:
-        raise PathError(f"cannot create the socket directory {d}: {e.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise PathError(f"{d} is not a directory")
-    if st.st_uid != os.getuid():
-        raise PathError(f"socket directory {d} belongs to uid {st.st_uid}, not to you; "
-                        f"set DSV4_SOCKET to a socket path in a directory you own")
-    if d == _runtime_base() and stat.S_IMODE(st.st_mode) != 0o700:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        if not create:
+            return False
         try:
-            os.chmod(d, 0o700)
+            d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.mkdir(d, 0o700)  # mkdir applies the umask: a stricter mode is still private
+        except FileExistsError:
+            pass  # created meanwhile: checked below like any other
         except OSError as e:
-            raise PathError(f"cannot make {d} private (mode 0700): {e.strerror}") from None
+            raise PathError(f"cannot create the socket directory {d}: {e.strerror}") from None
+        st = os.lstat(d)
+    except OSError as e:
+        raise PathError(f"cannot inspect the socket directory {d}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"socket directory {d} is a symlink, which another user could repoint; "
+                              f"{UnsafePathError.hint}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"socket directory {d} is not a directory; {UnsafePathError.hint}")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"socket directory {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+                              f"{UnsafePathError.hint}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise UnsafePathError(f"socket directory {d} has mode {mode:04o}, open to other users (need 0700); "
+                              f"{UnsafePathError.hint} (or chmod 700 it if it is yours to share with nobody)")
+    return True
+
+
+def ensure_private_dir(d: Path) -> None:
+    """`check_private_dir(d, create=True)`: the directory exists, is ours and is private."""
+    check_private_dir(d, create=True)
+
+
+def check_socket_file(path: Path) -> bool:
+    """Refuse a socket file that is not a socket of ours; False when there is none."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise UnsafePathError(f"{path} is not a socket; {UnsafePathError.hint}")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"socket {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
+                              f"{UnsafePathError.hint}")
+    return True
+
+
+def open_private(path: Path, flags: int) -> int:
+    """`os.open` with O_NOFOLLOW and O_CREAT (mode 0600); the file must be a regular file of ours."""
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafePathError(f"{path} is a symlink; {UnsafePathError.hint}") from None
+        raise PathError(f"cannot open {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        os.close(fd)
+        raise UnsafePathError(f"{path} is not a regular file of yours; {UnsafePathError.hint}")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.fchmod(fd, 0o600)  # our own file, say from an older version: make it private
+    return fd
 
 
 def log_file() -> Path:
@@ -127,7 +193,7 @@ class PidLock:
     def acquire(self) -> bool:
         """Take the lock and write our pid; False when another live process holds it."""
         for _ in range(5):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = open_private(self.path, os.O_RDWR)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as e:
@@ -161,19 +227,25 @@ class PidLock:
 
 
 def read_pid(path: Path) -> int | None:
-    """The pid written in a pid file, or None."""
+    """The pid written in a pid file (never through a symlink), or None."""
     try:
-        text = path.read_text().strip()
-        return int(text) if text else None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        text = os.read(fd, 64).decode("ascii", "replace").strip()
+        return int(text) if text.isdigit() else None
     except (OSError, ValueError):
         return None
+    finally:
+        os.close(fd)
 
 
 def daemon_pid(endpoint: str) -> int | None:
     """Pid of the daemon holding the lock of `endpoint`, or None when no process holds it."""
     path = pid_file(endpoint)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return None
     try:

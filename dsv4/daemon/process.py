@@ -8,13 +8,18 @@ Foreground (`run_daemon`):
     cancel what is in flight, tell the clients, remove the socket and the pid file
 
 Detached (`spawn_detached`): start the foreground daemon as a new session with its
-output appended to the log file, wait until it answers a ping (or dies), report.
+output appended to the log file (0600, never through a symlink), wait until it answers
+a ping (or dies), report. The child is this interpreter in safe-path mode (`-P`: the
+working directory is not on sys.path) started in `/`, so a `./dsv4/` package where the
+user happens to stand is never imported; its key (if any) travels in the environment,
+not on the command line.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -23,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4 import __version__
-from dsv4.daemon.paths import PidLock, daemon_pid, log_file, pid_file, read_pid, remove_stale
+from dsv4.daemon.paths import PidLock, daemon_pid, log_file, open_private, pid_file, read_pid, remove_stale
 
 log = logging.getLogger("dsv4.daemon")
 
@@ -44,17 +49,57 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def report_running(endpoint: str) -> str:
-    """One line about the daemon that holds the lock of `endpoint`."""
-    from dsv4.daemon.client import Client, DaemonUnreachable
+def report_running(endpoint: str, settings: dict[str, Any] | None = None,
+                   api_key: str | None = None) -> tuple[bool, str]:
+    """(same settings, one line) about the daemon that holds the lock of `endpoint`.
+
+    With `settings` (`EngineConfig.settings()` of the daemon asked for), the running
+    daemon's own settings are compared and the differences named."""
+    from dsv4.daemon.client import Client, DaemonError, DaemonUnreachable
 
     pid = read_pid(pid_file(endpoint))
-    with Client(endpoint) as c:
+    with Client(endpoint, api_key=api_key) as c:
         try:
             pong = c.connect(timeout_s=2.0)
-            return f"dsv4 daemon already running (pid {pong.get('pid', pid)}, model {pong.get('model')}) on {endpoint}"
-        except DaemonUnreachable:
-            return f"dsv4 daemon already starting (pid {pid}) on {endpoint}"
+        except (DaemonUnreachable, DaemonError):
+            return settings is None, f"dsv4 daemon already starting (pid {pid}) on {endpoint}"
+    line = f"dsv4 daemon already running (pid {pong.get('pid', pid)}, model {pong.get('model')}) on {endpoint}"
+    running = pong.get("settings")
+    if settings is None or not isinstance(running, dict):
+        return True, line
+    diff = [f"{flag} {settings[k]} (running: {running.get(k)})" for k, flag in SETTING_FLAGS.items()
+            if k in settings and settings[k] != running.get(k)]
+    if not diff:
+        return True, line
+    return False, (f"a dsv4 daemon (pid {pong.get('pid', pid)}) already runs on {endpoint} with other settings: "
+                   f"{', '.join(diff)}; stop it first with 'dsv4 stop'")
+
+
+# EngineConfig field -> the flag that sets it (the settings a running daemon is compared on)
+SETTING_FLAGS = {
+    "model": "--model", "device": "--device", "dtype": "--dtype", "max_num_seqs": "--max-num-seqs",
+    "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
+    "long_prefill_token_threshold": "--long-prefill-token-threshold",
+    "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
+    "seed": "--seed",
+}
+
+
+def engine_settings(config: Any) -> dict[str, Any]:
+    """The resolved values of the settings `serve` compares with a running daemon's."""
+    return {k: getattr(config, k) for k in SETTING_FLAGS}
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise the soft descriptor limit to the hard one (more connections before refusing); (soft, hard)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft, hard
 
 
 class ProgressBar:
@@ -99,16 +144,18 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
+def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None = None) -> int:
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
     `dsv4.http.server.HttpServer` for --http, or None."""
     from dsv4.daemon.server import Server
 
     setup_logging()
+    os.umask(0o077)  # the socket file is private from the moment it is bound
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():
-        print(report_running(endpoint), file=sys.stderr)
-        return EXIT_OK
+        same, line = report_running(endpoint, engine_settings(config), api_key)
+        print(line, file=sys.stderr)
+        return EXIT_OK if same else EXIT_ERROR
     if http is not None:
         from dsv4.http.server import HttpError
 
@@ -140,13 +187,15 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
             log.info("%s", line)
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
+        soft, hard = raise_fd_limit()
         also = ()
         if http is not None:
             from dsv4.http.server import INPROC_ENDPOINT
 
             also = (INPROC_ENDPOINT,)
         server = Server(engine, endpoint, model_name=model_name, also_bind=also,
-                        make_params=getattr(engine, "make_params", None), context=ctx)
+                        make_params=getattr(engine, "make_params", None), context=ctx, api_key=api_key,
+                        settings=engine_settings(config))
         try:
             server.bind()
         except Exception as e:  # noqa: BLE001  (zmq.ZMQError: address in use, permission denied)
@@ -154,7 +203,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
             server = None
             return EXIT_ERROR
         server.install_signal_handlers()
-        log.info("listening on %s (pid %d)", endpoint, os.getpid())
+        log.info("listening on %s (pid %d); descriptor limit %d (hard %d), at most %d connections", endpoint,
+                 os.getpid(), soft, hard, server.max_connections)
         try:
             reason = server.serve_forever()
         finally:
@@ -177,25 +227,33 @@ def run_daemon(config: Any, endpoint: str, http: Any = None) -> int:
         log.info("stopped; socket and pid file removed")
 
 
-def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0) -> tuple[int, Path]:
+def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
+                   api_key: str | None = None) -> tuple[int, Path]:
     """Start `dsv4 serve ARGV` (foreground mode) in the background; wait until it answers.
 
-    Returns (pid, log file). Raises RuntimeError with a one-line reason when it exits first.
+    ARGV must hold absolute paths (the child runs in `/`). Returns (pid, log file).
+    Raises RuntimeError with a one-line reason when it exits first.
     """
     from dsv4.daemon.client import Client, DaemonUnreachable
 
     logf = log_file()
     logf.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    with open(logf, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli.main", "serve", *argv], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=out, start_new_session=True, close_fds=True)
+    fd = open_private(logf, os.O_WRONLY | os.O_APPEND)
+    env = dict(os.environ)
+    if api_key:
+        env["DSV4_API_KEY"] = api_key
+    with os.fdopen(fd, "ab") as out:
+        safe = "-P" if sys.version_info >= (3, 11) else "-I"  # 3.10 has no -P: isolated mode instead
+        proc = subprocess.Popen([sys.executable, safe, "-m", "dsv4.cli.main", "serve", *argv],
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
+                                close_fds=True, cwd="/", env=env)
     deadline = time.monotonic() + timeout_s
     while True:
         rc = proc.poll()
         if rc is not None:
             raise RuntimeError(f"the daemon exited with status {rc} while starting; see {logf}")
         if daemon_pid(endpoint) == proc.pid:
-            with Client(endpoint) as c:
+            with Client(endpoint, api_key=api_key) as c:
                 try:
                     c.connect(timeout_s=0.5)
                     return proc.pid, logf

@@ -17,6 +17,10 @@ Client -> daemon                              daemon -> client
 `generate.prompt` is text or a list of token ids; `mode` is auto|chat|raw; `params` is
 a map of `dsv4.engine.sampling.SamplingParams` fields (the daemon validates it);
 `pieces: true` asks for the text of each token in deltas (for `--show-drafts`).
+A daemon started with an API key (`serve --api-key`) takes only two-frame messages whose
+first frame is KEY_PREFIX + key, compared in constant time before anything else is
+read; anything else gets an `unauthorized` error and nothing more. A daemon without a
+key ignores such a key frame.
 `sources` names, per new token, how it was produced: "draft" (accepted MTP draft) or
 "target". A client sends any message (usually `ping`) at least every
 HEARTBEAT_INTERVAL_S while it waits; the daemon cancels the requests of a client it
@@ -41,6 +45,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # one frame; larger ones get ERR_TOO_LARGE
 MAX_PROMPT_CHARS = 4 << 20
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_LEN = 128
+KEY_PREFIX = b"dsv4-key:"  # first frame of a message carrying an API key
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
 PROMPT_MODES = ("auto", "chat", "raw")
@@ -56,6 +61,8 @@ ERR_BAD_REQUEST = "bad_request"  # the engine rejected the request (e.g. prompt 
 ERR_DUPLICATE_ID = "duplicate_id"
 ERR_SHUTTING_DOWN = "shutting_down"
 ERR_INTERNAL = "internal"
+ERR_UNAUTHORIZED = "unauthorized"  # missing or wrong API key
+ERR_BUSY = "busy"  # too many clients or requests; try again later
 
 
 class ProtocolError(Exception):

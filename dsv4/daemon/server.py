@@ -15,6 +15,13 @@ heartbeat timeout (e.g. still queued when they died) are reaped the same way.
 
 Nothing raised while handling one message reaches the loop: bad messages get an `error`
 reply, a failing engine step fails the requests in flight and the daemon keeps serving.
+
+Untrusted input is refused cheaply (docs in README "Security"): with an API key, a
+message without the right key frame gets `unauthorized` before anything else is read;
+more than `max_clients` clients or `max_requests` requests get `busy`; text over the
+byte limit of --max-model-len is refused before tokenizing, and big prompts are
+tokenized on a worker thread (`intake.Intake`); the `intake.ConnectionGuard` keeps
+libzmq from running out of descriptors.
 """
 
 from __future__ import annotations
@@ -25,45 +32,37 @@ import os
 import signal
 import socket
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
+from dsv4.daemon.admission import SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
+from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256
+MAX_BYTES_PER_TURN = 1 << 20  # while the engine has work: then the next step runs
+FRAME_SLACK_BYTES = 64 << 10  # a request's fields besides prompt and system (params, stop strings, ids)
 SEND_HWM = 100_000
-SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
+HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
+MAX_CLIENTS = 256  # with requests in flight (idle ones are forgotten when the table is full)
+MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
 
 log = logging.getLogger("dsv4.daemon")
 
 
-@dataclass
-class _Live:
-    """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
-
-    client: bytes
-    rid: str
-    pieces: Any = None  # IncrementalDetokenizer when the client asked for per-token text
-
-
-@dataclass
-class _Client:
-    last_seen: float
-    requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
-
-
-class Server:
+class Server(Admission):
     """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
 
     def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
                  heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
                  make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = (),
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, api_key: str | None = None,
+                 settings: dict[str, Any] | None = None, max_clients: int = MAX_CLIENTS,
+                 max_requests: int = MAX_REQUESTS, max_connections: int | None = None) -> None:
         self.engine = engine
         self.endpoint = endpoint
         self.also_bind = also_bind  # more endpoints for the same ROUTER (the HTTP front end's inproc://)
@@ -73,8 +72,8 @@ class Server:
         self._make_params = make_params or _sampling_params
         self.started = time.time()
         self.stop_reason: str | None = None
-        self._clients: dict[bytes, _Client] = {}
-        self._live: dict[str, _Live] = {}  # engine request id -> request
+        self._clients: dict[bytes, ClientState] = {}
+        self._live: dict[str, Live] = {}  # engine request id -> request
         self._next_id = 0
         self._last_reap = time.monotonic()
         self._ctx: zmq.Context | None = None
@@ -83,6 +82,23 @@ class Server:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._signals = False
+        self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None
+        self.settings = dict(settings or {})
+        self.max_clients = max_clients
+        self.max_requests = max_requests
+        self.max_connections = max_connections or connection_limit()
+        # Frames larger than any acceptable request are refused before decoding (cheap):
+        # text up to the byte limit (prompt + system), or max_model_len token ids, plus room for the rest.
+        text_bytes = getattr(engine, "max_text_bytes", None)
+        config = getattr(engine, "config", None)
+        if isinstance(text_bytes, int) and text_bytes > 0 and config is not None:
+            self.max_frame_bytes: int | None = text_bytes + 9 * config.max_model_len + FRAME_SLACK_BYTES
+            self.frame_limit_reason = f"for --max-model-len {config.max_model_len}"
+        else:
+            self.max_frame_bytes, self.frame_limit_reason = None, ""
+        self._pending: dict[str, Pending] = {}  # engine request id -> request being tokenized
+        self._intake = Intake(lambda: self._wake_w.send(b"\0"))
+        self._guard: ConnectionGuard | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -93,6 +109,7 @@ class Server:
         s.setsockopt(zmq.SNDHWM, SEND_HWM)
         s.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_MESSAGE_BYTES)  # beyond this the peer is dropped
         s.setsockopt(zmq.LINGER, 2000)
+        s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         try:
             s.bind(self.endpoint)
             for extra in self.also_bind:
@@ -104,6 +121,10 @@ class Server:
             self._ctx = None
             raise
         self._sock = s
+        self._private_socket_file()
+        self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file)
+
+    def _private_socket_file(self) -> None:
         path = ipc_path(self.endpoint)
         if path is not None:
             os.chmod(path, 0o600)
@@ -125,6 +146,10 @@ class Server:
 
     def close(self) -> None:
         """Cancel what is in flight (telling clients), close the socket, remove the socket file."""
+        self._intake.close()
+        if self._guard is not None:
+            self._guard.close()
+            self._guard = None
         if self._sock is not None:
             self._cancel_all(SHUTDOWN_MESSAGE)
             self._sock.close()  # LINGER lets the final messages go out
@@ -150,11 +175,16 @@ class Server:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        if self._guard is not None:
+            poller.register(self._guard.monitor, zmq.POLLIN)
         while self.stop_reason is None:
             busy = self._has_work()
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if self._guard is not None:
+                self._guard.handle()
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
+            self._collect_tokenized()
             if self._sock in events:
                 self._drain_socket()
             self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
@@ -165,7 +195,7 @@ class Server:
         return self.stop_reason
 
     def _cancel_all(self, error: str, reason: str = "abort") -> None:
-        for erid in list(self._live):
+        for erid in [*self._live, *self._pending]:
             self._abort(erid, notify=True, error=error, reason=reason)
 
     def _has_work(self) -> bool:
@@ -183,12 +213,19 @@ class Server:
             pass
 
     def _drain_socket(self) -> None:
+        """Handle waiting messages: up to MAX_MESSAGES_PER_TURN, and while the engine has work
+        up to MAX_BYTES_PER_TURN, so a flood of big messages cannot starve the streams."""
         assert self._sock is not None
+        budget = MAX_BYTES_PER_TURN if self._has_work() else None
         for _ in range(MAX_MESSAGES_PER_TURN):
+            if budget is not None and budget <= 0:
+                return
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if budget is not None:
+                budget -= sum(len(f) for f in frames)
             try:
                 self._handle(frames[0], frames[1:])
             except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
@@ -197,23 +234,19 @@ class Server:
 
     # ------------------------------------------------------------------ messages
     def _handle(self, client: bytes, body: list[bytes]) -> None:
-        now = time.monotonic()
-        state = self._clients.get(client)
-        if state is None:
-            state = self._clients[client] = _Client(last_seen=now)
-        state.last_seen = now
-        if len(body) != 1:
-            self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
+        admitted = self._admit(client, body)
+        if admitted is None:
             return
+        state, frame = admitted
         try:
-            req = P.decode_request(body[0])
+            req = P.decode_request(frame)
         except P.ProtocolError as e:
             log.warning("rejected a message: %s: %s", e.code, e.message)
             self._send(client, P.error(e.request_id, e.code, e.message))
             return
         if isinstance(req, P.Ping):
             self._send(client, P.pong(req.id, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION,
-                                      model=self.model_name, endpoint=self.endpoint,
+                                      model=self.model_name, endpoint=self.endpoint, settings=self.settings,
                                       state="stopping" if self.stop_reason else "ready"))
         elif isinstance(req, P.Status):
             self._send(client, P.status_reply(req.id, self.status()))
@@ -227,33 +260,6 @@ class Server:
             self._send(client, P.ok(req.id, cancelled=erid is not None))
         elif isinstance(req, P.Generate):
             self._generate(client, state, req)
-
-    def _generate(self, client: bytes, state: _Client, req: P.Generate) -> None:
-        if self.stop_reason is not None:
-            self._send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
-            return
-        if req.id in state.requests:
-            self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
-            return
-        try:
-            params = self._make_params(req.params)
-        except (ValueError, TypeError) as e:  # RequestError is a ValueError
-            self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
-            return
-        erid = f"r{self._next_id}"
-        self._next_id += 1
-        try:
-            self.engine.add_request(req.prompt, params, request_id=erid, prompt_mode=req.mode,
-                                    system=req.system, thinking=req.thinking)
-        except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
-            if not isinstance(e, ValueError):
-                log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
-            self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
-            return
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
-        self._live[erid] = _Live(client, req.id, pieces)
-        state.requests[req.id] = erid
 
     # ------------------------------------------------------------------ engine
     def _step(self) -> None:
@@ -276,17 +282,24 @@ class Server:
                     break  # the client is gone; its requests are cancelled
 
     def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
-        live = self._forget(erid)
-        try:
-            self.engine.abort(erid)
-        except Exception:  # noqa: BLE001
-            log.exception("engine.abort(%s) failed", erid)
+        pending = self._pending.pop(erid, None)
+        if pending is not None:  # still being tokenized: the worker's result will be dropped
+            state = self._clients.get(pending.client)
+            if state is not None:
+                state.requests.pop(pending.req.id, None)
+            live: Live | None = Live(pending.client, pending.req.id)
+        else:
+            live = self._forget(erid)
+            try:
+                self.engine.abort(erid)
+            except Exception:  # noqa: BLE001
+                log.exception("engine.abort(%s) failed", erid)
         if live is not None:
             log.info("%s %s%s", erid, "cancelled" if reason == "abort" else "failed", f": {error}" if error else "")
         if notify and live is not None:
             self._send(live.client, P.final(live.rid, reason, error), reap=False)
 
-    def _forget(self, erid: str) -> _Live | None:
+    def _forget(self, erid: str) -> Live | None:
         live = self._live.pop(erid, None)
         if live is not None:
             state = self._clients.get(live.client)
@@ -342,7 +355,9 @@ class Server:
             "endpoint": self.endpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
-            "in_flight": len(self._live),
+            "in_flight": len(self._live) + len(self._pending),
+            "connections": self._guard.open if self._guard is not None else None,
+            "max_connections": self.max_connections,
             "memory_rss_bytes": _rss_bytes(),
         }
 

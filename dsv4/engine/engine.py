@@ -27,7 +27,7 @@ from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .stop import StopChecker
-from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, TokenizerMissing
 
 
 @dataclass
@@ -89,8 +89,12 @@ class Engine:
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
         try:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
-        except TokenizerError:
-            self.tokenizer = None  # token-id prompts only
+        except TokenizerMissing:
+            self.tokenizer = None  # token-id prompts only (a corrupt tokenizer.json is an error)
+        # A text longer than this many UTF-8 bytes cannot fit in max_model_len tokens:
+        # refused before tokenizing (every token covers at most the longest vocabulary entry).
+        self.max_text_bytes = (config.max_model_len * self.tokenizer.max_token_bytes
+                               if self.tokenizer is not None else 0)
         self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype, progress=progress)
         self.scheduler = Scheduler.from_config(config)
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -113,12 +117,7 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
                                "(use stop_token_ids)")
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json; send token ids instead of text")
-            try:
-                ids = self.tokenizer.encode_prompt(prompt, mode=prompt_mode, system=system, thinking=thinking)
-            except TokenizerError as e:
-                raise RequestError(str(e)) from None
+            ids = self.encode_request(prompt, prompt_mode=prompt_mode, system=system, thinking=thinking)
         else:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
@@ -135,6 +134,31 @@ class Engine:
         if not isinstance(fields, dict):
             raise RequestError(f"sampling parameters must be a map, got {type(fields).__name__}")
         return SamplingParams.from_dict({**self.config.sampling_defaults, **fields})
+
+    def check_text_size(self, prompt: str, system: str | None = None) -> None:
+        """Refuse an empty prompt, or text too long for --max-model-len, before tokenizing (RequestError)."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer.json; send token ids instead of text")
+        if not prompt:
+            raise RequestError("the prompt is empty; send at least one character")
+        n = len(prompt.encode("utf-8", "surrogatepass")) + len((system or "").encode("utf-8", "surrogatepass"))
+        if n > self.max_text_bytes:
+            what = "prompt and system prompt" if system else "prompt"
+            raise RequestError(f"{what} of {n} bytes {'exceed' if system else 'exceeds'} the limit of "
+                               f"{self.max_text_bytes} bytes for --max-model-len {self.config.max_model_len} "
+                               f"({self.tokenizer.max_token_bytes} bytes per token at most); send a shorter prompt")
+
+    def encode_request(self, prompt: str, *, prompt_mode: str = "auto", system: str | None = None,
+                       thinking: bool = False) -> list[int]:
+        """Prompt ids of a text request, size-checked first; touches only the tokenizer, so it
+        may run on another thread than `step()` (the daemon tokenizes big prompts there)."""
+        self.check_text_size(prompt, system)
+        assert self.tokenizer is not None
+        try:
+            return self.tokenizer.encode_prompt(prompt, mode=prompt_mode, system=system,  # type: ignore[arg-type]
+                                                thinking=thinking)
+        except TokenizerError as e:
+            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free at once. False if it is not live."""

@@ -30,10 +30,15 @@ THINK_END_TOKEN = "</think>"
 
 PromptMode = Literal["auto", "chat", "raw"]
 _REPLACEMENT = "\ufffd"
+_GIL_FREE_CHARS = 16 << 10  # texts this long are encoded without holding the GIL (same ids)
 
 
 class TokenizerError(Exception):
     """A tokenizer could not be loaded or cannot do what was asked (one-line message)."""
+
+
+class TokenizerMissing(TokenizerError):
+    """The model directory has no tokenizer.json (the engine then takes token ids only)."""
 
 
 def _token_content(value: object) -> str | None:
@@ -64,6 +69,8 @@ class Tokenizer:
         self.bos_id = self._special_id("bos_token", BOS_TOKEN)
         self.eos_id = self._special_id("eos_token", EOS_TOKEN)
         self.pad_id = self._special_id("pad_token", None)
+        # UTF-8 bytes of the longest vocabulary entry: an upper bound on the text one token covers
+        self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(True)), default=1)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -71,7 +78,7 @@ class Tokenizer:
         d = Path(path)
         tj = d / "tokenizer.json"
         if not tj.is_file():
-            raise TokenizerError(f"no tokenizer.json in {d} (hint: point at a model directory that has one)")
+            raise TokenizerMissing(f"no tokenizer.json in {d} (hint: point at a model directory that has one)")
         config: dict = {}
         tc = d / "tokenizer_config.json"
         if tc.is_file():
@@ -79,7 +86,11 @@ class Tokenizer:
                 config = json.loads(tc.read_text(encoding="utf-8"))
             except (OSError, ValueError) as e:
                 raise TokenizerError(f"cannot read {tc}: {e}") from None
-        return cls(tj.read_text(encoding="utf-8"), config, source=str(d))
+        try:
+            text = tj.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TokenizerError(f"cannot read {tj}: {e}") from None
+        return cls(text, config, source=str(d))
 
     def _special_id(self, key: str, default: str | None) -> int | None:
         """Id of the config's token `key`, else of the default token name, else None."""
@@ -114,7 +125,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Ids of plain `text` (special-token strings in it are ordinary characters)."""
-        ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
+        if len(text) >= _GIL_FREE_CHARS:  # encode_batch lets other threads run meanwhile; encode holds the GIL
+            ids = self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+        else:
+            ids = self._plain.encode(text, add_special_tokens=False).ids if text else []
         return [self._bos()] + ids if add_bos else ids
 
     def _bos(self) -> int:

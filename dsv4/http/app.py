@@ -63,7 +63,8 @@ class Api:
     async def startup(self) -> None:
         import zmq.asyncio
 
-        self.bridge = Bridge(zmq.asyncio.Context.shadow(self._ctx.underlying), self._endpoint)  # in the loop
+        self.bridge = Bridge(zmq.asyncio.Context.shadow(self._ctx.underlying), self._endpoint,
+                             self.api_key)  # in the loop
         await self.bridge.start()
 
     async def shutdown(self) -> None:

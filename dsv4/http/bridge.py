@@ -37,7 +37,8 @@ class DaemonUnavailable(Exception):
 class Bridge:
     """A DEALER on `endpoint` shared by every HTTP request of this process."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, api_key: str | None = None) -> None:
+        self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None  # the daemon's key, if any
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
@@ -76,7 +77,10 @@ class Bridge:
         frame = P.encode(msg)
         if len(frame) > P.MAX_MESSAGE_BYTES:
             raise ValueError(f"request of {len(frame)} bytes exceeds the limit of {P.MAX_MESSAGE_BYTES}")
-        self._sock.send(frame, zmq.NOBLOCK)
+        if self._key_frame is not None:
+            self._sock.send_multipart([self._key_frame, frame], zmq.NOBLOCK)
+        else:
+            self._sock.send(frame, zmq.NOBLOCK)
 
     def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
                  system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None

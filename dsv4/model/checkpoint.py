@@ -12,7 +12,9 @@ On disk (docs/deepseek-v4.md section 5):
 
 ``read_checkpoint`` returns dequantised tensors (scales consumed); ``save_checkpoint``
 writes the same layout, optionally quantised and sharded with an index. Every problem
-with the files on disk is reported as a one-line ``CheckpointError``.
+with the files on disk is reported as a one-line ``CheckpointError``: corrupt data too,
+as far as one cheap pass can tell -- ``validate_tensor`` refuses non-finite values in a
+floating tensor as it is read, ``check_tid2eid`` refuses hash-routing ids out of range.
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
                     if entries[name].dtype in _INT_DTYPES:
                         out[name] = raw.to(torch.int64)
                     else:
+                        validate_tensor(name, file, raw)
                         keep = keep_f32 and official_storage(name) == "f32"
                         out[name] = raw.to(torch.float32 if keep else dtype)
                     continue
@@ -128,6 +131,7 @@ def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
                         scale = _get(g, se.file, sname, se.dtype)
                 dq = dequantize_fp8 if kind == "fp8" else dequantize_fp4
                 out[name] = dq(raw, scale.to(device), dtype)
+                validate_tensor(name, file, out[name])
                 del raw, scale
     return out, config
 
@@ -257,6 +261,33 @@ def _raw_bytes(file: Path, name: str) -> torch.Tensor:
 
 
 # ============================================================================ checking
+_FINITE_CHUNK = 1 << 24  # elements per isfinite() pass: bounds the temporary mask
+
+
+def validate_tensor(name: str, file: Path, t: torch.Tensor) -> None:
+    """Refuse NaN/inf in a floating tensor just read from `file` (one pass, in chunks); raise CheckpointError."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return
+    flat = t.reshape(-1)
+    for i in range(0, flat.numel(), _FINITE_CHUNK):
+        part = flat[i:i + _FINITE_CHUNK]
+        if not bool(torch.isfinite(part).all()):
+            bad = int((~torch.isfinite(flat)).sum())
+            raise CheckpointError(f"tensor {name!r} in {file} has {bad} non-finite value(s) (NaN or inf) of "
+                                  f"{flat.numel()}; the checkpoint is corrupt, re-download or re-convert it")
+
+
+def check_tid2eid(tensors: Mapping[str, torch.Tensor], num_experts: int) -> None:
+    """Refuse hash-routing tables (``*.ffn.gate.tid2eid``) with expert ids outside [0, num_experts)."""
+    for name, t in tensors.items():
+        if not _I64_RE.fullmatch(name) or t.numel() == 0:
+            continue
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= num_experts:
+            bad = lo if lo < 0 else hi
+            raise CheckpointError(f"hash-routing table {name!r} holds expert id {bad}, outside [0, {num_experts}) "
+                                  f"(n_routed_experts); the checkpoint is corrupt")
+
 def check_tensors(tensors: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]]) -> None:
     """Check a loaded tensor set against the model's parameter shapes; raise CheckpointError.
 

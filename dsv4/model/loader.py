@@ -3,6 +3,7 @@
 Reads `config.json`, then the safetensors shards (official tensor names, FP8/FP4
 dequantised by `checkpoint.read_checkpoint`), checks every tensor against the
 model's own parameter shapes (missing, unexpected, mismatched: one clear error),
+range-checks the hash-routing tables,
 and places the model on the requested device and dtype. The model is built on the
 meta device and the loaded tensors are assigned, so no second copy of the weights
 is ever allocated: tensors are converted to the target device and dtype as they are
@@ -18,7 +19,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from .checkpoint import CheckpointError, check_tensors, read_checkpoint
+from .checkpoint import CheckpointError, check_tensors, check_tid2eid, read_checkpoint
 from .model import DeepseekV4
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -48,6 +49,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = DeepseekV4(cfg, with_mtp=with_mtp)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     check_tensors(tensors, expected)
+    check_tid2eid(tensors, cfg.n_routed_experts)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.make_rope_tables(dev)
     if fuse:

@@ -1,0 +1,159 @@
+"""Admission of requests into the daemon: the gate before decoding, and text prompts to token ids.
+
+`Admission` is a part of `Server` (a mixin: it uses the server's socket, engine, client
+table and limits), kept apart so each file stays readable:
+
+    _admit(client, frames)   API key (hmac.compare_digest, first), client limit (busy),
+                             one frame, frame size (over the --max-model-len limit: too_large)
+    _generate(...)           request limit (busy), sampling params, text byte limit (before
+                             tokenizing), then tokenize inline (small) or on the worker (big)
+    _collect_tokenized()     requests whose prompts the worker finished go to the engine
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4.daemon import protocol as P
+from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES
+
+log = logging.getLogger("dsv4.daemon")
+
+SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
+
+
+@dataclass
+class Live:
+    """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
+
+    client: bytes
+    rid: str
+    pieces: Any = None  # IncrementalDetokenizer when the client asked for per-token text
+
+
+@dataclass
+class Pending:
+    """A text request whose prompt is being tokenized on the worker thread."""
+
+    client: bytes
+    req: P.Generate
+    params: Any
+
+
+@dataclass
+class ClientState:
+    last_seen: float
+    requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
+
+
+class Admission:
+    """Request admission for `Server` (see the module docstring); not used on its own."""
+
+    _clients: dict[bytes, ClientState]
+    _live: dict[str, Live]
+    _pending: dict[str, Pending]
+
+    def _admit(self, client: bytes, body: list[bytes]) -> tuple[ClientState, bytes] | None:
+        """The gate before a message is decoded: API key (constant time), client limit, one
+        frame, frame size. Returns (client state, frame), or None after an error reply."""
+        if len(body) == 2 and body[0].startswith(P.KEY_PREFIX):
+            key, body = body[0], body[1:]
+        else:
+            key = b""
+        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
+            self._send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
+                                       "--api-key or DSV4_API_KEY"), reap=False)
+            return
+        now = time.monotonic()
+        state = self._clients.get(client)
+        if state is None:
+            if len(self._clients) >= self.max_clients:  # forget clients with nothing in flight first
+                for idle in [c for c, st in self._clients.items() if not st.requests]:
+                    del self._clients[idle]
+            if len(self._clients) >= self.max_clients:
+                self._send(client, P.error(None, P.ERR_BUSY, f"the dsv4 daemon is busy: {len(self._clients)} "
+                                           f"clients connected (the limit); try again later"), reap=False)
+                return
+            state = self._clients[client] = ClientState(last_seen=now)
+        state.last_seen = now
+        if len(body) != 1:
+            self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
+            return
+        if self.max_frame_bytes is not None and len(body[0]) > self.max_frame_bytes:
+            self._send(client, P.error(None, P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes exceeds the limit of "
+                                       f"{self.max_frame_bytes} bytes {self.frame_limit_reason}; send a shorter "
+                                       f"prompt"))
+            return
+        return state, body[0]
+
+    def _generate(self, client: bytes, state: ClientState, req: P.Generate) -> None:
+        if self.stop_reason is not None:
+            self._send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
+            return
+        if req.id in state.requests:
+            self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
+            return
+        try:
+            params = self._make_params(req.params)
+        except (ValueError, TypeError) as e:  # RequestError is a ValueError
+            self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
+            return
+        if len(self._live) + len(self._pending) >= self.max_requests:
+            self._send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.max_requests} "
+                                       f"requests in flight (the limit); try again later"))
+            return
+        erid = f"r{self._next_id}"
+        self._next_id += 1
+        prompt: str | list[int] = req.prompt
+        encode = getattr(self.engine, "encode_request", None)
+        try:
+            if isinstance(prompt, str) and encode is not None:
+                self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
+                if len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES:
+                    self._pending[erid] = Pending(client, req, params)
+                    state.requests[req.id] = erid
+                    self._intake.submit(erid, encode, prompt, prompt_mode=req.mode, system=req.system,
+                                        thinking=req.thinking)
+                    return
+                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking)
+        except Exception as e:  # noqa: BLE001  (RequestError: this request only)
+            self._reject(client, req, erid, e)
+            return
+        self._add(client, state, req, params, erid, prompt)
+
+    def _reject(self, client: bytes, req: P.Generate, erid: str, e: Exception) -> None:
+        if not isinstance(e, ValueError):
+            log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
+        self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
+
+    def _collect_tokenized(self) -> None:
+        """Queue the requests whose prompts the worker finished tokenizing (unless cancelled meanwhile)."""
+        for erid, fut in self._intake.done():
+            pending = self._pending.pop(erid, None)
+            if pending is None:
+                continue  # cancelled, or its client went away
+            state = self._clients.get(pending.client)
+            if state is not None:
+                state.requests.pop(pending.req.id, None)
+            if fut.exception() is not None:
+                self._reject(pending.client, pending.req, erid, fut.exception())  # type: ignore[arg-type]
+            elif state is not None:
+                self._add(pending.client, state, pending.req, pending.params, erid, fut.result())
+
+    def _add(self, client: bytes, state: ClientState, req: P.Generate, params: Any, erid: str,
+             prompt: str | list[int]) -> None:
+        """Hand one request to the engine and start tracking it."""
+        try:
+            self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
+                                    system=req.system, thinking=req.thinking)
+        except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
+            self._reject(client, req, erid, e)
+            return
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
+        self._live[erid] = Live(client, req.id, pieces)
+        state.requests[req.id] = erid
