@@ -27,10 +27,12 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[tuple[Daemon, int]]:
     port = _free_port()
-    d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY).wait_ready()
-    assert wait_until(lambda: _get(port, "/health")[0] == 200, timeout=30), d.log.read_text()
-    yield d, port
-    d.cleanup()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV4_API_KEY", KEY)  # the key guards the ZeroMQ socket too: the CLI calls here carry it
+        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY).wait_ready()
+        assert wait_until(lambda: _get(port, "/health")[0] == 200, timeout=30), d.log.read_text()
+        yield d, port
+        d.cleanup()
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +213,8 @@ def test_metrics_use_vllm_names(server, client):
 
 
 def test_non_loopback_address_needs_a_key():
-    r = dsv4("serve", "--http", "0.0.0.0:8123", env=env_for())
+    env = {k: v for k, v in env_for().items() if k != "DSV4_API_KEY"}  # no key from the environment either
+    r = dsv4("serve", "--http", "0.0.0.0:8123", env=env)
     assert r.returncode == 2 and "--api-key" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
