@@ -76,6 +76,10 @@ Profile = Annotated[Optional[Path], typer.Option(
     "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL, envvar="DSV4_PROFILE_DIR", show_envvar=False,
     help="Write torch profiler traces of engine steps (prefill chunks, verify, MTP) into DIR; off by default "
          "[env: DSV4_PROFILE_DIR]")]
+Quantization = Annotated[Optional[str], typer.Option(
+    "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
+    help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
+         "[default: as the checkpoint is stored]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -83,7 +87,7 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
-    "seed": "--seed", "profile_dir": "--profile",
+    "seed": "--seed", "profile_dir": "--profile", "quantization": "--quantization",
 }
 
 

@@ -119,6 +119,7 @@ def run_daemon(config: Any, endpoint: str) -> int:
         log.info("dsv4 %s: model %s loaded in %.1f s", __version__, config.model, time.monotonic() - t0)
         for line in config.banner_lines():
             log.info("%s", line)
+        log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
         server = Server(engine, endpoint, model_name=model_name)

@@ -75,7 +75,7 @@ def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Te
 
 def check_kernel(device: torch.device | str) -> None:
     """Raise `W8A8Error` when `device` has no int8 kernel (before any weight is read)."""
-    kind = torch.device(device).type
+    kind = device.type if isinstance(device, torch.device) else str(device).partition(":")[0]
     if kind in ("cpu", "cuda"):
         if not hasattr(torch, "_int_mm"):
             raise W8A8Error(f"--quantization w8a8: torch {torch.__version__} has no torch._int_mm for "
