@@ -203,8 +203,9 @@ def report(rows: list[dict], accept: float) -> str:
                    f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | {4 / r['t4']:.2f} "
                    f"| {r['step_bytes'] / 1e9:.2f} | {1e3 * floor:.0f} ({r['bandwidth'] / 1e9:.1f}) "
                    f"| {floor / r['t1']:.0%} | {r['t2'] / r['t1']:.2f} | {r['t_mtp'] / r['t1']:.2f} | {speed:.2f}x |")
-    if len(rows) == 2:
-        a, b = rows
+    by = {r["arm"].split()[0]: r for r in rows}
+    if "none" in by and "w8a8" in by:
+        a, b = by["none"], by["w8a8"]
         out.append(f"\nw8a8 / none: layer bytes {b['layer_bytes'] / a['layer_bytes']:.2f}x, "
                    f"decode batch 1 {a['t1'] / b['t1']:.2f}x, batch 4 {a['t4'] / b['t4']:.2f}x "
                    f"(implied MTP speedup at acceptance {accept:.2f})")
