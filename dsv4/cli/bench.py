@@ -200,7 +200,7 @@ def bench(
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
-    num_speculative_tokens: O.NumSpec = None, threads: O.Threads = None,
+    num_speculative_tokens: O.NumSpec = None, threads: O.Threads = None, quantization: O.Quantization = None,
 ) -> None:
     levels = _int_list("--concurrency", concurrency)
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
@@ -210,7 +210,7 @@ def bench(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-        threads=threads)
+        threads=threads, quantization=quantization)
     from dsv4.daemon.paths import resolve_endpoint
 
     if http is not None and local:

@@ -1,4 +1,4 @@
-"""The `dsv4` command: serve, run, status, stop, bench.
+"""The `dsv4` command: serve, run, status, stop, bench, convert.
 
 `main()` is the console entry point. It maps every failure to one stderr line and an
 exit status (0 ok, 1 error, 2 usage, 69 daemon unreachable, 75 timeout, 130
@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -59,7 +60,8 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    threads: O.Threads = None, socket: O.Socket = None, http: O.Http = None, api_key: O.ApiKey = None,
+    threads: O.Threads = None, quantization: O.Quantization = None, socket: O.Socket = None, http: O.Http = None,
+    api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -71,7 +73,7 @@ def serve(
                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-                         seed=seed, profile_dir=profile, threads=threads)
+                         seed=seed, profile_dir=profile, threads=threads, quantization=quantization)
     endpoint = resolve_endpoint(socket)
     if O.check_listen_key(endpoint, api_key):
         O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
@@ -146,6 +148,32 @@ def stop(
         raise CliError(f"the dsv4 daemon (pid {pong.get('pid')}) is still exiting after {timeout:g} s",
                        O.EXIT_TIMEOUT)
     O.err(f"dsv4 daemon (pid {pong.get('pid')}) stopped")
+
+
+@app.command()
+def convert(
+    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint directory to convert (official layout).")],
+    dst: Annotated[Path, typer.Argument(metavar="DST", help="New directory to write the converted checkpoint to.")],
+    quantization: Annotated[str, typer.Option("--quantization", metavar="FORMAT",
+                                              help="Format to write: w8a8 (int8 weights per row).")] = "w8a8",
+    shard_size: Annotated[float, typer.Option("--shard-size", metavar="GB", min=0.0001,
+                                              help="Largest shard file, in GB.")] = 4.0,
+) -> None:
+    """Convert a checkpoint (e.g. to w8a8) once, so that loading it needs no conversion work."""
+    from dsv4.config import ConfigError
+    from dsv4.daemon.process import ProgressBar
+    from dsv4.model.checkpoint import CheckpointError
+    from dsv4.model.convert import convert_checkpoint
+
+    progress = ProgressBar("converting")
+    try:
+        counts = convert_checkpoint(src, dst, quantization=quantization, shard_bytes=int(shard_size * 1e9),
+                                    progress=progress)
+    except (CheckpointError, ConfigError) as e:
+        raise CliError(str(e)) from None
+    finally:
+        progress.close()
+    O.err(f"dsv4: wrote {dst} ({quantization}; {counts})")
 
 
 # ---------------------------------------------------------------------- helpers

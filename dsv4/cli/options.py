@@ -91,6 +91,10 @@ Threads = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, min=1,
     help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
          "[default: $OMP_NUM_THREADS, else the CPUs this process may use, at most 16]")]
+Quantization = Annotated[Optional[str], typer.Option(
+    "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
+    help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
+         "[default: as the checkpoint is stored]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -98,7 +102,7 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
-    "seed": "--seed", "profile_dir": "--profile", "threads": "--threads",
+    "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
 }
 
 

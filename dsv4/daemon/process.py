@@ -81,7 +81,7 @@ SETTING_FLAGS = {
     "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
-    "seed": "--seed",
+    "seed": "--seed", "quantization": "--quantization",
 }
 
 
@@ -185,6 +185,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         log.info("dsv4 %s: model %s loaded in %.1f s", __version__, config.model, time.monotonic() - t0)
         for line in config.banner_lines():
             log.info("%s", line)
+        log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
         soft, hard = raise_fd_limit()

@@ -6,7 +6,7 @@ flag maps to one field:
 
     --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
     --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
-    --num-speculative-tokens --seed --profile
+    --num-speculative-tokens --seed --profile --quantization
 
 Defaults that depend on the checkpoint are resolved when the config is built, so the
 fields of a built config always hold concrete values (except `profile_dir`):
@@ -17,7 +17,9 @@ fields of a built config always hold concrete values (except `profile_dir`):
 * `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
   prefill chunk fits beside a full batch of decode steps;
 * `max_model_len` None -> min(max_position_embeddings, 2048), and in single-dispatch
-  mode also at most the single-dispatch limit.
+  mode also at most the single-dispatch limit;
+* `quantization` None -> as the checkpoint is stored: "w8a8" for a `dsv4 convert`
+  output, else "none".
 
 A config that cannot run raises `EngineConfigError` with a one-line message that names
 the flag to change (see docs/serving.md section 2).
@@ -60,6 +62,7 @@ class EngineConfig:
     seed: int = 0
     profile_dir: str | None = None
     threads: int | None = None  # torch CPU threads; None = default_threads()
+    quantization: str | None = None
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -94,6 +97,7 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
+        set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
 
@@ -196,7 +200,9 @@ class EngineConfig:
     def banner_lines(self) -> list[str]:
         """What the startup banner states (docs/serving.md section 2)."""
         return [
-            f"device {self.device}, dtype {self.dtype}",
+            f"device {self.device}, dtype {self.dtype}, weights "
+            + ("w8a8 (int8 weights per row, int8 activations per token)" if self.quantization == "w8a8"
+               else "unquantised"),
             f"model prefill limit {self.model_config.prefill_limit}, "
             f"effective prefill chunk size {self.effective_chunk_size}"
             + (" (single dispatch)" if self.single_dispatch else ""),
@@ -305,6 +311,30 @@ def _resolve_dtype(dtype: Any, device: str) -> str:
     if dtype not in _DTYPES:
         raise EngineConfigError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
     return dtype
+
+
+def _resolve_quantization(value: Any, model_dir: str, device: str) -> str:
+    """--quantization (None = as stored) against the checkpoint's config.json and the device's kernels."""
+    from dsv4.model.checkpoint import QUANTIZATION_KEY, CheckpointError
+    from dsv4.model.loader import resolve_quantization
+
+    if value is not None and not isinstance(value, str):
+        raise EngineConfigError(f"--quantization must be none or w8a8, got {value!r}")
+    try:
+        stored = json.loads((Path(model_dir) / "config.json").read_text()).get(QUANTIZATION_KEY, "none")
+        q = resolve_quantization(value, str(stored), model_dir)
+    except (OSError, ValueError, AttributeError) as e:
+        raise EngineConfigError(f"--model {model_dir}: cannot read config.json ({e})") from None
+    except CheckpointError as e:
+        raise EngineConfigError(str(e)) from None
+    if q == "w8a8":
+        from dsv4.model.kernels import W8A8Error, check_kernel
+
+        try:
+            check_kernel(device)
+        except W8A8Error as e:
+            raise EngineConfigError(str(e)) from None
+    return q
 
 
 def _check_profile_dir(path: Any) -> str:

@@ -95,7 +95,9 @@ class Engine:
         # refused before tokenizing (every token covers at most the longest vocabulary entry).
         self.max_text_bytes = (config.max_model_len * self.tokenizer.max_token_bytes
                                if self.tokenizer is not None else 0)
-        self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype, progress=progress)
+        self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
+                                quantization=config.quantization, progress=progress)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.scheduler = Scheduler.from_config(config)
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
@@ -233,6 +235,8 @@ class Engine:
             "model": self.config.model,
             "device": str(self.device),
             "dtype": self.config.dtype,
+            "quantization": self.config.quantization,
+            "weight_bytes": self.weight_bytes,
             "num_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import CSA, WINDOW, ModelConfig
 from .compressor import Compressor, Indexer
-from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, linear, project,
+from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, project,
                      rms_unweighted)
 from .state import Batch, LayerState, flat_rows
 
@@ -110,7 +110,7 @@ class Attention(nn.Module):
         qa, kv, *xp = project(x, self.fused, self._x_linears())  # xp: compressor, then indexer inputs
 
         qr = self.q_norm(qa)  # [T, q_lora]
-        q = rms_unweighted(linear(qr, self.wq_b.weight).view(T, H, hd), cfg.rms_norm_eps)
+        q = rms_unweighted(self.wq_b(qr).view(T, H, hd), cfg.rms_norm_eps)
         q = apply_rope(q, cis, inplace=True)  # [T, H, hd]
         kv = apply_rope(self.kv_norm(kv), cis, inplace=True)  # [T, hd]
         head_w = xp[2] if self.kind == CSA else None  # the indexer's per-head weights [T, Hi]
@@ -224,7 +224,5 @@ class Attention(nn.Module):
         # the conjugate rotations, resolved once per dispatch and table
         inv = batch.cached(("rope_inv", id(rope)), lambda: cis.conj().resolve_conj())
         o = apply_rope(o, inv, inplace=True)
-        G = cfg.o_groups
-        wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, -1)  # [G, O, H*hd/G]
-        o = torch.bmm(o.reshape(T, G, -1).transpose(0, 1), wo_a.transpose(1, 2)).transpose(0, 1)  # [T, G, O]
-        return linear(o.flatten(1), self.wo_b.weight)
+        o = self.wo_a.grouped(o.reshape(T, cfg.o_groups, -1))  # [T, G, O]
+        return self.wo_b(o.flatten(1))

@@ -24,7 +24,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -38,6 +38,7 @@ PathLike = Union[str, Path]
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+QUANTIZATION_KEY = "dsv4_quantization"  # config.json key a `dsv4 convert` output records its format in
 QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
     "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
@@ -46,7 +47,7 @@ QUANTIZATION_CONFIG = {
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 _INT_DTYPES = {"I32", "I64"}
 _SCALE_DTYPES = {"F8_E8M0", "U8"}  # U8: exponent bytes written by torch without float8_e8m0fnu
-_QUANT_DTYPES = {"F8_E4M3": "fp8", "I8": "fp4"}
+_QUANT_DTYPES = {"F8_E4M3": "fp8", "I8": "fp4"}  # with an E8M0 .scale; I8 + F32 [rows] .scale: int8 rows
 
 _PREFIX = r"(?:layers|mtp)\.\d+\."
 _FP8_RE = re.compile(_PREFIX + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
@@ -86,6 +87,54 @@ class _Entry:
     shape: tuple[int, ...]
 
 
+class Checkpoint:
+    """A checkpoint directory whose headers have been read and checked (no tensor data yet).
+
+    `config` (config.json), `shapes` (name -> shape of each tensor `tensors()` yields: FP8
+    and FP4 weights at their dequantised shape, E8M0 scales folded in), `quantization`
+    ("none", or "w8a8" for a `dsv4 convert` output). Raises `CheckpointError`."""
+
+    def __init__(self, path: PathLike):
+        self.root = Path(path)
+        self.config = _read_config(self.root)
+        self.entries = _scan(_shard_files(self.root))
+        self.plan = _plan(self.entries)  # name -> "plain"|"fp8"|"fp4"|"int8"
+        self.shapes = {n: _out_shape(k, self.entries[n].shape) for n, k in self.plan.items()}
+        self.quantization = str(self.config.get(QUANTIZATION_KEY, "none"))
+
+    def tensors(self, device: Union[str, torch.device] = "cpu"
+                ) -> Iterator[tuple[str, str, torch.Tensor, Optional[torch.Tensor]]]:
+        """(name, kind, stored tensor, E8M0 scale for "fp8"/"fp4" else None), one at a time,
+        shard by shard, memory mapped: nothing is kept after the caller lets go of it."""
+        for file in sorted({e.file for e in self.entries.values()}):
+            names = [n for n, e in self.entries.items() if e.file == file and n in self.plan]
+            with _open(file) as f:
+                for name in names:
+                    kind = self.plan[name]
+                    raw = _get(f, file, name, self.entries[name].dtype).to(device)
+                    scale = None
+                    if kind in ("fp8", "fp4"):
+                        sname = scale_name(name)
+                        se = self.entries[sname]
+                        if se.file == file:
+                            scale = _get(f, file, sname, se.dtype)
+                        else:
+                            with _open(se.file) as g:
+                                scale = _get(g, se.file, sname, se.dtype)
+                        scale = scale.to(device)
+                    yield name, kind, raw, scale
+                    del raw, scale
+
+
+def _out_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (shape[0], 2 * shape[1]) if kind == "fp4" else shape
+
+
+def dequantize(kind: str, raw: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """A stored FP8 or FP4 weight and its E8M0 scale -> [R, C] in ``dtype`` (exact)."""
+    return (dequantize_fp8 if kind == "fp8" else dequantize_fp4)(raw, scale, dtype)
+
+
 def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
                     device: Union[str, torch.device] = "cpu", keep_f32: bool = False,
                     progress: Optional[Callable[[int, int], None]] = None
@@ -94,46 +143,36 @@ def read_checkpoint(path: PathLike, *, dtype: torch.dtype = torch.float32,
 
     Float tensors are cast to ``dtype`` (with ``keep_f32``, those the official layout keeps
     in float32 -- mHC, sinks, ``ape``, router bias -- stay float32); FP8/FP4 weights are
-    dequantised to ``dtype`` (their ``.scale`` tensors are consumed); I32/I64 tensors come
-    back as int64. Files are memory mapped and converted tensor by tensor, shard by shard,
-    so peak memory stays near the size of the result. All headers are checked before any
-    data is read. ``progress(done, total)`` is called per tensor. Raises ``CheckpointError``.
+    dequantised to ``dtype`` (their ``.scale`` tensors are consumed), as are the int8 rows
+    of a w8a8 conversion (weight * row scale); I32/I64 tensors come back as int64. Files
+    are memory mapped and converted tensor by tensor, shard by shard. All headers are
+    checked before any data is read. ``progress(done, total)`` is called per tensor.
+    Raises ``CheckpointError``. (`load_model` streams into the model instead.)
     """
     if not dtype.is_floating_point:
         raise ValueError(f"read_checkpoint dtype must be a floating dtype, got {dtype}")
-    root = Path(path)
-    config = _read_config(root)
-    entries = _scan(_shard_files(root))
-    plan = _plan(entries)  # name -> ("plain"|"fp8"|"fp4")
+    ck = Checkpoint(path)
     out: dict[str, torch.Tensor] = {}
-    for file in sorted({e.file for e in entries.values()}):
-        names = [n for n, e in entries.items() if e.file == file and n in plan]
-        with _open(file) as f:
-            for name in names:
-                raw = _get(f, file, name, entries[name].dtype).to(device)
-                kind = plan[name]
-                if progress is not None:
-                    progress(len(out) + 1, len(plan))
-                if kind == "plain":
-                    if entries[name].dtype in _INT_DTYPES:
-                        out[name] = raw.to(torch.int64)
-                    else:
-                        validate_tensor(name, file, raw)
-                        keep = keep_f32 and official_storage(name) == "f32"
-                        out[name] = raw.to(torch.float32 if keep else dtype)
-                    continue
-                sname = scale_name(name)
-                se = entries[sname]
-                if se.file == file:
-                    scale = _get(f, file, sname, se.dtype)
-                else:
-                    with _open(se.file) as g:
-                        scale = _get(g, se.file, sname, se.dtype)
-                dq = dequantize_fp8 if kind == "fp8" else dequantize_fp4
-                out[name] = dq(raw, scale.to(device), dtype)
-                validate_tensor(name, file, out[name])
-                del raw, scale
-    return out, config
+    for name, kind, raw, scale in ck.tensors(device):
+        if progress is not None:
+            progress(len(out) + 1, len(ck.plan))
+        if kind == "plain":
+            if not raw.is_floating_point():
+                out[name] = raw.to(torch.int64)
+            else:
+                validate_tensor(name, ck.entries[name].file, raw)
+                keep = keep_f32 and official_storage(name) == "f32"
+                out[name] = raw.to(torch.float32 if keep else dtype)
+        elif kind == "int8":
+            out[name] = raw
+        else:
+            out[name] = dequantize(kind, raw, scale, dtype)
+            validate_tensor(name, ck.entries[name].file, out[name])
+    for name, kind in ck.plan.items():
+        if kind == "int8":
+            sname = scale_name(name)
+            out[name] = (out[name].float() * out.pop(sname).float()[:, None]).to(dtype)
+    return out, ck.config
 
 
 def _read_config(root: Path) -> dict:
@@ -202,14 +241,22 @@ def _scan(files: Mapping[Path, Optional[set[str]]]) -> dict[str, _Entry]:
 
 
 def _plan(entries: Mapping[str, _Entry]) -> dict[str, str]:
-    """Validate dtypes and weight/scale pairs; name -> "plain"|"fp8"|"fp4" (scales omitted)."""
+    """Validate dtypes and weight/scale pairs; name -> "plain"|"fp8"|"fp4"|"int8" (E8M0 scales
+    omitted; the float32 row scales of "int8" weights are "plain" tensors of their own)."""
     plan: dict[str, str] = {}
     scales: set[str] = set()
     for name, e in entries.items():
+        sname = scale_name(name)
+        se = entries.get(sname)
+        if e.dtype == "I8" and se is not None and se.dtype == "F32":  # a dsv4 w8a8 conversion
+            if len(e.shape) != 2 or se.shape != e.shape[:1]:
+                raise CheckpointError(f"int8 weight {name!r} {list(e.shape)} needs a float32 scale {sname!r} of "
+                                      f"shape [{e.shape[0] if e.shape else '?'}] (one per row), found "
+                                      f"{list(se.shape)}")
+            plan[name], plan[sname] = "int8", "plain"
+            continue
         if e.dtype in _QUANT_DTYPES:
             kind = _QUANT_DTYPES[e.dtype]
-            sname = scale_name(name)
-            se = entries.get(sname)
             if se is None:
                 raise CheckpointError(f"quantised weight {name!r} ({e.dtype}) has no scale tensor "
                                       f"{sname!r}; the checkpoint is incomplete")
@@ -224,7 +271,7 @@ def _plan(entries: Mapping[str, _Entry]) -> dict[str, str]:
                                       f"{list(e.shape)}: expected {list(want)}, found {list(se.shape)}")
             plan[name] = kind
             scales.add(sname)
-        elif e.dtype in _FLOAT_DTYPES or e.dtype in _INT_DTYPES:
+        elif (e.dtype in _FLOAT_DTYPES or e.dtype in _INT_DTYPES) and name not in plan:
             plan[name] = "plain"
     for name, e in entries.items():
         if name in plan or name in scales:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, linear
+from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32
 from .state import Batch, flat_rows
 
 
@@ -109,7 +109,7 @@ class Indexer(nn.Module):
         top-k visible entries, -inf elsewhere. `head_w`: weights_proj of the layer input
         [T, H]; `qr`: the normed query latent; `cis`: the queries' rotations [T, r/2]."""
         T, n_ent = qr.shape[0], visible.shape[-1]
-        q = apply_rope(linear(qr, self.wq_b.weight).view(T, self.n_heads, self.head_dim), cis, inplace=True)
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cis, inplace=True)
         if keys.dim() == 3:  # [T, H, di] x [T, E, di] -> [T, H, E]
             scores = torch.bmm(f32(q), f32(keys).transpose(1, 2))
         else:

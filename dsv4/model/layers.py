@@ -27,7 +27,13 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """Bias-free linear whose parameter is named `weight`, as in the checkpoint."""
+    """Bias-free linear whose parameter is named `weight`, as in the checkpoint.
+
+    The one place that says how a weight is stored and multiplied (with `FusedLinear`):
+    here a plain float weight; `w8a8.QuantLinear` is the int8 one, swapped in at load.
+    Model code calls the module (`self.wq_b(x)`, `self.wo_a.grouped(o)`), never its weight."""
+
+    scale = None  # no row scales: the weight is used as stored
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
@@ -36,45 +42,69 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
 
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """Block-diagonal use of the rows in G groups: x [T, G, in] -> [T, G, out / G], group g
+        multiplying rows g*out/G .. (g+1)*out/G (attention's grouped output projection)."""
+        G = x.shape[1]
+        w = self.weight.view(G, self.weight.shape[0] // G, -1)  # [G, O, in]
+        return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [T, G, O]
+
 
 class FusedLinear:
     """Linears that read the same input, run as one matmul (decode is op-overhead bound).
 
-    Concatenates the weights into one [sum of outputs, in] tensor and makes each
-    module's parameter a view of its rows, so memory does not grow, `state_dict()` is
-    unchanged and in-place updates of the parameters (`load_state_dict`, an optimizer
-    step) stay visible. `fused(x)` returns the outputs in module order: a tuple of
-    [..., out_i] views. `project` uses it only while it is `current`: once a parameter
-    is replaced rather than updated in place (`.to()`, `copy.deepcopy`,
-    `load_state_dict(assign=True)`), or while autograd needs the parameters' gradients,
-    the linears run one by one again, correct but unfused.
+    Concatenates the weights (and, for int8 linears, their row scales) into one
+    [sum of outputs, in] tensor and makes each module's tensor a view of its rows, so
+    memory does not grow, `state_dict()` is unchanged and in-place updates of the
+    parameters (`load_state_dict`, an optimizer step, the loader's copies) stay visible.
+    `fused(x)` returns the outputs in module order: a tuple of [..., out_i] views.
+    `project` uses it only while it is `current`: once a parameter is replaced rather
+    than updated in place (`.to()`, `copy.deepcopy`, `load_state_dict(assign=True)`), or
+    while autograd needs the parameters' gradients, the linears run one by one again,
+    correct but unfused. All the linears must share one storage format.
     """
 
-    def __init__(self, linears: list[Linear]):
+    def __init__(self, linears: list[nn.Module]):
+        if len({type(m) for m in linears}) != 1:
+            raise ValueError(f"cannot fuse linears of different formats: {[type(m).__name__ for m in linears]}")
+        self.first = linears[0]
         self.sizes = [m.weight.shape[0] for m in linears]
-        with torch.no_grad():
-            self.weight = torch.cat([m.weight.detach() for m in linears])  # [sum(sizes), in]
-        off = 0
-        for m, n in zip(linears, self.sizes):
-            m.weight.data = self.weight[off:off + n]
-            off += n
-        self._ends = (self.weight.data_ptr(), self.weight[off - self.sizes[-1]:].data_ptr())
+        self.weight = _fuse_rows(linears, "weight")  # [sum(sizes), in]
+        self.scale = _fuse_rows(linears, "scale") if linears[0].scale is not None else None  # [sum(sizes)]
+        self._ends = (self.weight.data_ptr(), self.weight[sum(self.sizes) - self.sizes[-1]:].data_ptr())
 
-    def current(self, linears: list[Linear]) -> bool:
+    def current(self, linears: list[nn.Module]) -> bool:
         """Whether the first and last parameters still live in the fused weight."""
         return (linears[0].weight.data_ptr(), linears[-1].weight.data_ptr()) == self._ends
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return linear(x, self.weight).split_with_sizes(self.sizes, dim=-1)
+        out = linear(x, self.weight) if self.scale is None else self.first.matmul(x, self.weight, self.scale)
+        return out.split_with_sizes(self.sizes, dim=-1)
 
 
-def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[Linear]) -> tuple[torch.Tensor, ...]:
+def _fuse_rows(linears: list[nn.Module], attr: str) -> torch.Tensor:
+    """Concatenate the modules' `attr` tensors along rows and make each one a view of its rows."""
+    with torch.no_grad():
+        fused = torch.cat([getattr(m, attr).detach() for m in linears])
+    off = 0
+    for m in linears:
+        t = getattr(m, attr)
+        n = t.shape[0]
+        if isinstance(t, nn.Parameter):
+            t.data = fused[off:off + n]
+        else:
+            setattr(m, attr, fused[off:off + n])  # a registered buffer
+        off += n
+    return fused
+
+
+def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
     """The outputs of `linears` on x: one matmul when they are fused (and the fusion is
     current, and no gradient is wanted), else one each."""
     if (fused is not None and fused.current(linears)
             and not (torch.is_grad_enabled() and linears[0].weight.requires_grad)):
         return fused(x)
-    return tuple(linear(x, m.weight) for m in linears)
+    return tuple(m(x) for m in linears)
 
 
 class RMSNorm(nn.Module):

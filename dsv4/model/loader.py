@@ -1,26 +1,38 @@
 """`load_model`: a DeepSeek V4 checkpoint directory -> a ready `DeepseekV4`.
 
-Reads `config.json`, then the safetensors shards (official tensor names, FP8/FP4
-dequantised by `checkpoint.read_checkpoint`), checks every tensor against the
-model's own parameter shapes (missing, unexpected, mismatched: one clear error),
-range-checks the hash-routing tables,
-and places the model on the requested device and dtype. The model is built on the
-meta device and the loaded tensors are assigned, so no second copy of the weights
-is ever allocated: tensors are converted to the target device and dtype as they are
-read. mHC parameters, sinks, `ape` and router biases stay float32, as in the
-official checkpoint.
+Order of work, so that the model is never held twice nor in high precision:
+1. read `config.json` and every safetensors header; build the model on the meta device
+   (with `--quantization w8a8`, its quantised linears swapped for `QuantLinear`, see
+   `w8a8.py`) and set each tensor's dtype: the compute dtype, float32 for what the
+   official layout keeps in float32 (mHC, sinks, `ape`, router bias), int8 + float32
+   row scales for quantised linears;
+2. check the names and shapes the checkpoint will produce against the model's
+   (missing, unexpected, mismatched: one clear error) before any data is read;
+3. allocate the model's storage once on the device and fuse its projections
+   (`fuse_projections`: the fused weights are that storage);
+4. stream the checkpoint tensor by tensor (memory mapped), converting each one
+   (FP8/FP4 dequantised, or converted to int8 rows) and copying it into its place;
+   every float tensor is checked finite as it lands (NaN/inf: a checkpoint error naming
+   the tensor and file) and the hash-routing tables are range-checked at the end.
+Peak memory is the model plus one tensor's conversion temporaries.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..config import ModelConfig
-from .checkpoint import CheckpointError, check_tensors, check_tid2eid, read_checkpoint
+from . import kernels
+from .checkpoint import (Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
+                         scale_name, validate_tensor)
 from .model import DeepseekV4
+from .w8a8 import QUANTIZATIONS, QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
+
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """'cpu', 'cuda[:N]' or 'npu[:N]' -> torch.device, with a clear error when unavailable."""
@@ -35,23 +47,134 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return torch.device(d)
 
 
+def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
+    """The format to run: `requested` (None = as the checkpoint is stored). A checkpoint
+    already converted to w8a8 runs as w8a8 only. Raises `CheckpointError` naming the flag."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise CheckpointError(f"--quantization {requested!r} is not supported; use {' or '.join(QUANTIZATIONS)}")
+    if stored not in QUANTIZATIONS:
+        raise CheckpointError(f"{where}: config.json records an unknown quantization {stored!r} "
+                              f"(supported: {', '.join(QUANTIZATIONS)})")
+    if stored == "w8a8" and requested == "none":
+        raise CheckpointError(f"--quantization none: {where} is a w8a8 conversion (int8 weights); "
+                              f"load it with --quantization w8a8 (or none given), or load the original checkpoint")
+    return requested or stored
+
+
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None, fuse: bool = True) -> DeepseekV4:
+               quantization: str | None = None, progress: Callable[[int, int], None] | None = None,
+               fuse: bool = True, counts: RowCounts | None = None) -> DeepseekV4:
     """Load a checkpoint directory (config.json + *.safetensors, official names).
 
-    `fuse` (default) fuses linears that read the same input for inference
-    (`DeepseekV4.fuse_projections`): move or train the model afterwards only without it."""
+    `quantization`: "none" (weights in `dtype`), "w8a8" (see `w8a8.py`), or None = as the
+    checkpoint is stored ("none" for official checkpoints). `fuse` (default) fuses
+    linears that read the same input for inference (`DeepseekV4.fuse_projections`): move
+    or train the model afterwards only without it. `counts`, if given, receives how the
+    FP4 rows converted to int8 (exactly or by rounding)."""
     cfg = ModelConfig.from_dir(path)
+    ck = Checkpoint(path)
+    quantization = resolve_quantization(quantization, ck.quantization, str(path))
     dev = resolve_device(device)
-    tensors, _ = read_checkpoint(path, dtype=dtype, device=dev, keep_f32=True, progress=progress)
-    with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in tensors)
+    if quantization == "w8a8":
+        try:
+            kernels.check_kernel(dev)
+        except kernels.W8A8Error as e:
+            raise CheckpointError(str(e)) from None
+    with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in ck.shapes)
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=with_mtp)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_tensors(tensors, expected)
-    check_tid2eid(tensors, cfg.n_routed_experts)
-    model.load_state_dict(tensors, strict=True, assign=True)
+    if quantization == "w8a8":
+        to_w8a8(model)
+    _set_dtypes(model, dtype)
+    sd = model.state_dict()
+    check_tensors(_produced_shapes(ck, model), {k: tuple(v.shape) for k, v in sd.items()})
+    try:
+        model.to_empty(device=dev)
+        if fuse:
+            model.fuse_projections()
+        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts())
+    except (RuntimeError, MemoryError, CheckpointError) as e:
+        if "allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        need = sum(t.numel() * t.element_size() for t in sd.values())
+        hint = " or --quantization w8a8" if quantization == "none" else ""
+        raise CheckpointError(f"out of memory loading {path} on {dev}: its weights need {need / 2**20:.0f} MiB "
+                              f"as {quantization} {str(dtype).removeprefix('torch.')}; free memory, use a smaller "
+                              f"--dtype{hint}") from None
+    check_tid2eid(model.state_dict(), cfg.n_routed_experts)
     model.make_rope_tables(dev)
-    if fuse:
-        model.fuse_projections()
+    _release_free_memory()
     return model.eval()
+
+
+def _set_dtypes(model: DeepseekV4, dtype: torch.dtype) -> None:
+    """On the meta model: float tensors in `dtype`, except the official float32 ones and
+    the int8 linears' scales (float32); int tensors unchanged."""
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, QuantLinear):
+            continue
+        for name, t in list(mod.named_parameters(recurse=False)) + list(mod.named_buffers(recurse=False)):
+            full = f"{mod_name}.{name}" if mod_name else name
+            if t.is_floating_point() and not t.is_complex():
+                want = torch.float32 if official_storage(full) == "f32" else dtype
+                t.data = t.data.to(want)
+
+
+def _produced_shapes(ck: Checkpoint, model: DeepseekV4) -> dict[str, tuple[int, ...]]:
+    """Names and shapes the streamed checkpoint will fill: a float weight converted at
+    load time also fills its int8 linear's `scale`."""
+    quantized = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    shapes = dict(ck.shapes)
+    for name, kind in ck.plan.items():
+        if kind != "int8" and name in quantized:
+            shapes[scale_name(name)] = ck.shapes[name][:1]
+        if kind == "int8" and name not in quantized:
+            raise CheckpointError(f"tensor {name!r} is stored as int8 rows, but the model expects a float weight there")
+    return shapes
+
+
+@torch.no_grad()
+def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
+                 progress: Callable[[int, int], None] | None, counts: RowCounts) -> None:
+    """Read every tensor once, convert it, copy it into the model's storage (fused views included)."""
+    dest = model.state_dict()  # detached views of the model's own storage
+    for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev)):
+        target = dest[name]
+        if target.dtype == torch.int8 and kind != "int8":  # convert to int8 rows while loading
+            if kind == "fp4":
+                q, s = from_fp4(raw, scale, counts)
+            elif kind == "fp8":
+                q, s = from_float(dequantize(kind, raw, scale, torch.float32))
+            else:
+                q, s = from_float(raw.float())
+            target.copy_(q)
+            dest[scale_name(name)].copy_(s)
+        elif kind in ("fp8", "fp4"):
+            target.copy_(dequantize(kind, raw, scale, torch.float32))
+        else:
+            target.copy_(raw)
+        _check_finite(name, ck, dest)
+        del raw, scale
+        if progress is not None:
+            progress(i + 1, len(ck.plan))
+
+
+def _check_finite(name: str, ck: Checkpoint, dest: dict[str, torch.Tensor]) -> None:
+    """NaN/inf in what `name` just filled (an int8 linear: its row scales, which a
+    non-finite weight or block scale makes non-finite) is a CheckpointError."""
+    target = dest[name]
+    if not target.is_floating_point():
+        target = dest.get(scale_name(name), target)
+    validate_tensor(name, ck.entries[name].file, target)
+
+
+def _release_free_memory() -> None:
+    """Hand the conversion temporaries' freed heap pages back to the OS (glibc keeps them
+    otherwise, and they would count as resident for the life of the process)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        if libc is not None and hasattr(libc, "malloc_trim"):
+            libc.malloc_trim(0)
+    except OSError:
+        pass

@@ -37,7 +37,7 @@ class Expert(nn.Module):
         h = F.silu(g) * u
         if weight is not None:
             h = h * weight.unsqueeze(-1)
-        return linear(cast(h, x.dtype), self.w2.weight)
+        return self.w2(cast(h, x.dtype))
 
 
 class Gate(nn.Module):

@@ -6,16 +6,21 @@ import pytest
 import torch
 
 from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.w8a8 import to_w8a8
 from tests.model.tiny import tiny_config
 
 
-@pytest.fixture(scope="session", params=["plain", "fused"])
+@pytest.fixture(scope="session", params=["plain", "fused", "w8a8-fused"])
 def tiny_model(request) -> DeepseekV4:
-    """The same random model as built (what training uses) and with its projections fused
-    (what `load_model` and the engine use): every test of it runs on both."""
+    """The same random model as built (what training uses), with its projections fused
+    (what `load_model` and the engine use), and fused with int8 weights (`--quantization
+    w8a8`; fused = unfused for it is checked in test_w8a8.py): every test of it runs on
+    all three, so the invariants (chunked = whole, rollback, MTP) hold for each format."""
     torch.manual_seed(0)
     model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
-    return model.fuse_projections() if request.param == "fused" else model
+    if request.param.startswith("w8a8"):
+        to_w8a8(model)
+    return model.fuse_projections() if request.param.endswith("fused") else model
 
 
 def prefill(model: DeepseekV4, state, slot: int, ids: list[int], plan: list[int]):

@@ -31,13 +31,15 @@ def _run(ckpt_dir, prompts, K, seqs, **kw):
     return llm.generate(prompts, SamplingParams(max_tokens=GEN, ignore_eos=True))
 
 
+@pytest.mark.parametrize("quantization", ["none", "w8a8"])
 @pytest.mark.parametrize("limit", [16, 128])
-def test_greedy_with_mtp_equals_without(ckpt, limit):
+def test_greedy_with_mtp_equals_without(ckpt, limit, quantization):
     prompts = _prompts(LENGTHS)
-    ref = [c.token_ids for c in _run(ckpt[0], prompts, 0, 8, prefill_limit=limit)]
+    q = dict(prefill_limit=limit, quantization=quantization)
+    ref = [c.token_ids for c in _run(ckpt[0], prompts, 0, 8, **q)]
     assert all(len(r) == GEN for r in ref)
     for K, seqs in ((1, 1), (1, 8), (2, 8), (3, 8)):
-        out = [c.token_ids for c in _run(ckpt[0], prompts, K, seqs, prefill_limit=limit)]
+        out = [c.token_ids for c in _run(ckpt[0], prompts, K, seqs, **q)]
         assert out == ref, (K, seqs)
 
 

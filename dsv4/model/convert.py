@@ -1,0 +1,102 @@
+"""`dsv4 convert SRC DST --quantization w8a8`: write a checkpoint that loads with no conversion work.
+
+Streams SRC tensor by tensor (as `load_model` does) and writes DST as sharded
+safetensors plus `model.safetensors.index.json`: the int8 linears of `w8a8.py` as
+``X.weight`` I8 [out, in] + ``X.scale`` F32 [out], every other tensor as stored in SRC
+(FP8/FP4 ones dequantised to bfloat16). config.json gets ``"dsv4_quantization":
+"w8a8"`` (and loses the FP8 ``quantization_config``), so loading DST needs no flag;
+tokenizer files are copied. At most one shard of converted tensors is held at a time.
+Loading DST gives bit-identical weights (and logits) to converting SRC at load time:
+the conversions are the same functions.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_file
+
+from ..config import ModelConfig
+from .checkpoint import CONFIG_NAME, INDEX_NAME, QUANTIZATION_KEY, Checkpoint, CheckpointError, dequantize, scale_name
+from .model import DeepseekV4
+from .w8a8 import QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = "w8a8",
+                       shard_bytes: int = 4 << 30, progress: Callable[[int, int], None] | None = None
+                       ) -> RowCounts:
+    """Convert SRC to DST (see the module docstring); returns how the FP4 rows converted.
+    Raises `CheckpointError` (one line) for unusable input, before writing anything."""
+    if quantization != "w8a8":
+        raise CheckpointError(f"--quantization {quantization!r}: convert writes w8a8 checkpoints only "
+                              f"(use --quantization w8a8)")
+    src, dst = Path(src), Path(dst)
+    ck = Checkpoint(src)
+    if ck.quantization != "none":
+        raise CheckpointError(f"{src} is already a {ck.quantization} conversion; convert the original checkpoint")
+    if dst.exists() and any(dst.iterdir()):
+        raise CheckpointError(f"output directory {dst} exists and is not empty; choose a new directory")
+    cfg = ModelConfig.from_dir(src)
+    with torch.device("meta"):
+        model = to_w8a8(DeepseekV4(cfg, with_mtp=any(k.startswith("mtp.0.") for k in ck.shapes)))
+    quantized = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    from .checkpoint import check_tensors
+    from .loader import _produced_shapes
+
+    check_tensors(_produced_shapes(ck, model), {k: tuple(v.shape) for k, v in model.state_dict().items()})
+
+    dst.mkdir(parents=True, exist_ok=True)
+    counts, shard, size, names, weight_map, total = RowCounts(), {}, 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        if shard:
+            fname = f"model-{len(names) + 1:05d}.safetensors"  # renamed to -of-N once N is known
+            save_file(shard, str(dst / fname), metadata={"format": "pt"})
+            names.append(fname)
+            weight_map.update({k: fname for k in shard})
+            shard, size = {}, 0
+
+    with torch.no_grad():
+        for i, (name, kind, raw, scale) in enumerate(ck.tensors("cpu")):
+            if name in quantized:
+                if kind == "fp4":
+                    out = from_fp4(raw, scale, counts)
+                elif kind == "fp8":
+                    out = from_float(dequantize(kind, raw, scale, torch.float32))
+                else:
+                    out = from_float(raw.float())
+                pieces = {name: out[0].contiguous(), scale_name(name): out[1].contiguous()}
+            elif kind in ("fp8", "fp4"):
+                pieces = {name: dequantize(kind, raw, scale, torch.bfloat16)}
+            else:
+                pieces = {name: raw.contiguous()}
+            for k, t in pieces.items():
+                shard[k] = t
+                size += t.numel() * t.element_size()
+                total += t.numel() * t.element_size()
+            if size >= shard_bytes:
+                flush()
+            if progress is not None:
+                progress(i + 1, len(ck.plan))
+        flush()
+    final = {n: f"model-{j + 1:05d}-of-{len(names):05d}.safetensors" for j, n in enumerate(names)}
+    for old, new in final.items():
+        (dst / old).rename(dst / new)
+    index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}
+    (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    config = dict(ck.config)
+    config.pop("quantization_config", None)
+    config.pop("expert_dtype", None)
+    config[QUANTIZATION_KEY] = "w8a8"
+    (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, dst / f)
+    return counts

@@ -1,0 +1,120 @@
+"""W8A8 device kernels behind one small interface.
+
+    xq, xs = quantize_tokens(x)          # [M, K] float -> int8 [M, K], float32 [M, 1]
+    y = w8a8_linear(x, wq, ws)           # x [..., K], int8 rows wq [N, K], float32 scales ws [N] -> [..., N]
+
+The product is an exact int8 x int8 -> int32 matmul, rescaled by the token scales and
+the row scales in float32: y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n].
+Per-token quantisation makes every row independent of the rows batched with it, so
+chunked prefill, batching and speculation see the same numbers for a token.
+
+Backends, picked by the device of x:
+* cpu: `torch._int_mm` (no shape rules on CPU; checked with M = 1, K = 17, N = 5);
+* cuda: `torch._int_mm`, padded to its rules (M > 16, K and N multiples of 8);
+* npu: `torch_npu.npu_dynamic_quant` + `torch_npu.npu_quant_matmul`. UNTESTED on a real
+  NPU (none was available): only its layout and scale conversions (`npu_weight_layout`,
+  `npu_rescale_reference`) are tested, on CPU. See README "Quantization".
+
+`check_kernel(device)` says at startup whether the device has one (`W8A8Error` if not).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QMAX = 127.0
+_TINY = 1e-30  # amax floor: an all-zero token quantises to zeros with a harmless scale
+
+
+class W8A8Error(RuntimeError):
+    """The device has no int8 kernel for --quantization w8a8 (one line, names the flag)."""
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token symmetric int8: x [M, K] -> (q int8 [M, K], scale float32 [M, 1]),
+    q = round(x / scale), scale = amax(|x|) / 127 (round half to even)."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY) / QMAX  # [M, 1]
+    q = torch.round(xf / s).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, s
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8 of a float weight: [N, K] -> (int8 [N, K], float32 [N])."""
+    q, s = quantize_tokens(w)
+    return q, s.squeeze(-1)
+
+
+def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Exact int8 [M, K] x int8 rows [N, K] -> int32 [M, N] on cpu or cuda."""
+    if xq.device.type != "cuda":
+        return torch._int_mm(xq, wq.t())
+    M, K = xq.shape
+    N = wq.shape[0]
+    pm, pk, pn = max(17 - M, 0), (-K) % 8, (-N) % 8  # cuBLAS int8 rules: M > 16, K and N multiples of 8
+    if pm or pk:
+        xq = F.pad(xq, (0, pk, 0, pm))
+    if pk or pn:
+        wq = F.pad(wq, (0, pk, 0, pn))
+    return torch._int_mm(xq, wq.t())[:M, :N]
+
+
+def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """x [..., K] (compute dtype) with int8 rows wq [N, K] and float32 row scales ws [N]
+    -> [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.device.type == "npu":
+        out = npu_w8a8_linear(x2, wq, ws)
+    else:
+        xq, xs = quantize_tokens(x2)
+        out = int_mm(xq, wq).float() * xs * ws  # [M, N] float32
+    return out.to(x.dtype).view(*lead, wq.shape[0])
+
+
+def check_kernel(device: torch.device | str) -> None:
+    """Raise `W8A8Error` when `device` has no int8 kernel (before any weight is read)."""
+    kind = device.type if isinstance(device, torch.device) else str(device).partition(":")[0]
+    if kind in ("cpu", "cuda"):
+        if not hasattr(torch, "_int_mm"):
+            raise W8A8Error(f"--quantization w8a8: torch {torch.__version__} has no torch._int_mm for "
+                            f"--device {kind}; upgrade torch or use --quantization none")
+        return
+    if kind == "npu":
+        try:
+            import torch_npu
+        except Exception as e:  # noqa: BLE001  (ImportError or a broken CANN install)
+            raise W8A8Error(f"--quantization w8a8 on --device npu needs torch_npu ({type(e).__name__}: {e}); "
+                            f"use --quantization none") from None
+        if not (hasattr(torch_npu, "npu_dynamic_quant") and hasattr(torch_npu, "npu_quant_matmul")):
+            raise W8A8Error("--quantization w8a8: this torch_npu has no npu_dynamic_quant/npu_quant_matmul; "
+                            "upgrade torch_npu or use --quantization none")
+        return
+    raise W8A8Error(f"--quantization w8a8 has no int8 kernel for --device {kind}; use --quantization none")
+
+
+# ------------------------------------------------------------------ Ascend (UNTESTED on a real NPU)
+def npu_weight_layout(wq: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int8 rows [N, K] and float32 scales [N] -> what `npu_quant_matmul` takes:
+    the weight as [K, N] (a transposed view, as msModelSlim's W8A8_DYNAMIC layers pass it)
+    and the per-channel scale [N] in float32 (bfloat16 output) or float32 (other outputs)."""
+    return wq.t(), ws.to(torch.float32).reshape(-1)
+
+
+def npu_rescale_reference(acc: torch.Tensor, token_scale: torch.Tensor, channel_scale: torch.Tensor) -> torch.Tensor:
+    """What `npu_quant_matmul(x, w, scale, pertoken_scale=...)` computes from the int32
+    accumulator: acc [M, N] * pertoken_scale [M] (per row) * scale [N] (per column), float32.
+    The CPU tests check that the layout above fed to this formula equals `w8a8_linear`."""
+    return acc.float() * token_scale.reshape(-1, 1).float() * channel_scale.reshape(1, -1).float()
+
+
+def npu_w8a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:  # pragma: no cover
+    """x [M, K] -> float32 [M, N] through torch_npu. UNTESTED: no NPU was available."""
+    import torch_npu
+
+    xq, xs = torch_npu.npu_dynamic_quant(x)  # int8 [M, K], per-token scale [M] (amax / 127)
+    w, scale = npu_weight_layout(wq, ws, x.dtype)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    out = torch_npu.npu_quant_matmul(xq, w, scale, pertoken_scale=xs.reshape(-1).float(), output_dtype=out_dtype)
+    return out.float()

@@ -1,0 +1,140 @@
+"""W8A8 storage: int8 weights with one float32 scale per output row, applied to a built model.
+
+Which linears (`QUANTIZED_RULE`, by role): every `Linear` of the blocks and the MTP
+block -- attention `wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`; the compressor's and the
+indexer's `wkv`/`wgate`, the indexer's `wq_b` and `weights_proj`; shared and routed
+experts `w1`/`w2`/`w3`; MTP `e_proj`/`h_proj`. Not the `head` (nor the embedding,
+norms, router gate, mHC, sinks, `ape`: those are not `Linear`s). The small
+projections of the layer input (compressor, indexer `weights_proj`) read the same x
+as `wq_a`/`wkv` and run fused with them in one int8 matmul after one activation
+quantisation, so keeping them in float would cost a second matmul for little memory:
+in V4 Flash they are 8 % of a CSA layer's attention bytes and <1 % of its total.
+
+`to_w8a8(model)` swaps those modules for `QuantLinear` (from their float weights, or
+empty on the meta device, for the loader to fill). `from_fp4` / `from_float` convert
+one checkpoint tensor at a time; FP4 rows whose block exponents span <= 3 convert
+exactly (doubled e2m1 values are integers <= 12, and 12 * 2^3 = 96 <= 127).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import kernels
+from .layers import Linear
+from .quant import FP4_VALUES, e8m0_bytes
+
+QUANTIZATIONS = ("none", "w8a8")
+QUANTIZED_RULE = re.compile(r"(?:layers|mtp)\.\d+\.(?:attn\..*|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|[eh]_proj)")
+
+
+def is_quantized(module_name: str) -> bool:
+    """Whether the Linear named `module_name` (official prefix, e.g. ``layers.3.attn.wq_a``) is int8."""
+    return QUANTIZED_RULE.fullmatch(module_name) is not None
+
+
+class QuantLinear(nn.Module):
+    """int8 `weight` [out, in] and float32 `scale` [out] (buffers, saved as ``X.weight`` /
+    ``X.scale``); forward quantises x per token and multiplies exactly (`kernels`)."""
+
+    def __init__(self, n_in: int, n_out: int, device: torch.device | str | None = None):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(n_out, n_in, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(n_out, dtype=torch.float32, device=device))
+
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x [..., in] -> [..., out] (also used by `FusedLinear` on the fused rows)."""
+        return kernels.w8a8_linear(x, weight, scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.w8a8_linear(x, self.weight, self.scale)
+
+    def grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, in] -> [T, G, out / G], group g with its own rows (see `Linear.grouped`).
+        Each (token, group) slice is quantised on its own: still row-independent."""
+        T, G, _ = x.shape
+        O = self.weight.shape[0] // G
+        outs = [kernels.w8a8_linear(x[:, g], self.weight[g * O:(g + 1) * O], self.scale[g * O:(g + 1) * O])
+                for g in range(G)]
+        return torch.stack(outs, dim=1)
+
+
+def to_w8a8(model: nn.Module) -> nn.Module:
+    """Swap every quantised `Linear` (see `is_quantized`) for a `QuantLinear`, in place.
+    Float weights are quantised per row (`from_float`); meta ones stay empty (the loader
+    fills them). Call before `fuse_projections`."""
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not Linear or not is_quantized(name):
+            continue
+        n_out, n_in = mod.weight.shape
+        q = QuantLinear(n_in, n_out, device=mod.weight.device)
+        if mod.weight.device.type != "meta":
+            with torch.no_grad():
+                w, s = from_float(mod.weight)
+                q.weight.copy_(w)
+                q.scale.copy_(s)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, q)
+    return model
+
+
+# ------------------------------------------------------------------ conversion, one tensor at a time
+@dataclass
+class RowCounts:
+    """How FP4 rows converted: `exact` (block exponents span <= 3) or `rounded`."""
+
+    exact: int = 0
+    rounded: int = 0
+
+    def __str__(self) -> str:
+        total = self.exact + self.rounded
+        return f"{self.exact} of {total} FP4 rows exact, {self.rounded} rounded" if total else "no FP4 rows"
+
+
+def from_float(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], float32 [out]): per-row amax / 127, round to nearest even."""
+    return kernels.quantize_rows(w.detach())
+
+
+FP4_SPAN = 3  # 12 * 2^3 = 96 <= 127: doubled e2m1 codes times 2^span still fit in int8
+
+
+def from_fp4(packed: torch.Tensor, scale: torch.Tensor, counts: RowCounts | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed FP4 weight (int8 [R, C/2], E8M0 [R, C/32]) -> (int8 [R, C], float32 [R]).
+
+    A row whose nonzero blocks' exponents span <= 3 converts exactly: with row scale
+    2^(e_min - 1), element j of block b is (2 * e2m1) * 2^(e_b - e_min), an integer of
+    magnitude <= 96. Other rows are dequantised and rounded per row (`from_float`).
+    """
+    rows, half = packed.shape
+    u = packed.view(torch.uint8)
+    codes = torch.stack((u & 0xF, u >> 4), dim=-1).view(rows, 2 * half)  # [R, C] nibbles
+    doubled = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8, device=packed.device)
+    ints = doubled[codes.long()].view(rows, -1, 32)  # [R, nb, 32] in [-12, 12]
+    e = e8m0_bytes(scale).to(torch.int32)  # [R, nb] biased exponents
+    nonzero = ints.ne(0).any(-1)  # [R, nb]: zero blocks do not constrain the row scale
+    big = torch.iinfo(torch.int32).max
+    emin = torch.where(nonzero, e, big).amin(-1)  # [R]
+    emax = torch.where(nonzero, e, -1).amax(-1)
+    exact = (emax - emin <= FP4_SPAN) | ~nonzero.any(-1)
+    emin = torch.where(nonzero.any(-1), emin, 127)
+    shift = (e - emin[:, None]).clamp(0, FP4_SPAN)  # [R, nb]; exact rows never clamp a nonzero block
+    q = (ints.to(torch.int32) << shift[..., None]).to(torch.int8).view(rows, -1)
+    s = torch.ldexp(torch.full((rows,), 0.5), (emin - 127).to(torch.float32))  # 2^(e_min - 127 - 1)
+    if not bool(exact.all()):
+        from .quant import dequantize_fp4
+
+        bad = (~exact).nonzero().squeeze(-1)
+        qr, sr = from_float(dequantize_fp4(packed[bad], scale[bad], torch.float32))
+        q[bad], s[bad] = qr, sr
+    if counts is not None:
+        n_exact = int(exact.sum())
+        counts.exact += n_exact
+        counts.rounded += rows - n_exact
+    return q, s

@@ -1,0 +1,183 @@
+"""--quantization w8a8: the int8 kernel, FP4/FP8 -> int8 conversion, loading, `dsv4 convert`,
+and the one-line errors for bad input. (The engine invariants under w8a8 run in
+test_incremental.py, test_mtp.py and test_engine.py through their parametrisation.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.config import EngineConfig, EngineConfigError
+from dsv4.model import kernels
+from dsv4.model.checkpoint import CheckpointError
+from dsv4.model.convert import convert_checkpoint
+from dsv4.model.loader import load_model
+from dsv4.model.quant import dequantize_fp4, quantize_fp4
+from dsv4.model.w8a8 import QuantLinear, RowCounts, from_float, from_fp4, is_quantized
+from tests.checkpoints import write_tiny_checkpoint
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_w8a8_linear_is_the_exact_int_product_rescaled():
+    x = torch.randn(5, 48, generator=_g(0))
+    wq, ws = from_float(torch.randn(24, 48, generator=_g(1)))
+    xq, xs = kernels.quantize_tokens(x)
+    acc = xq.long() @ wq.long().t()  # exact in int64
+    ref = acc.float() * xs * ws
+    assert torch.equal(kernels.w8a8_linear(x, wq, ws), ref)
+    # rows are independent of the rows batched with them (chunked = whole relies on it)
+    for i in range(5):
+        assert torch.equal(kernels.w8a8_linear(x[i:i + 1], wq, ws), ref[i:i + 1])
+    assert kernels.w8a8_linear(x.view(5, 1, 48), wq, ws).shape == (5, 1, 24)
+
+
+def test_quantize_tokens_rounds_within_half_a_step():
+    x = torch.randn(7, 33, generator=_g(2)) * torch.logspace(-3, 3, 7)[:, None]
+    q, s = kernels.quantize_tokens(x)
+    assert q.dtype == torch.int8 and q.abs().max() == 127
+    assert ((q.float() * s - x).abs() <= s / 2 * (1 + 1e-6)).all()
+    zq, zs = kernels.quantize_tokens(torch.zeros(2, 8))
+    assert (zq == 0).all() and torch.isfinite(zs).all()
+
+
+def test_npu_layout_and_scales_reproduce_the_cpu_kernel():
+    """The Ascend adapter is untested on hardware; its conversions are checked here."""
+    x = torch.randn(3, 64, generator=_g(3))
+    wq, ws = from_float(torch.randn(16, 64, generator=_g(4)))
+    w_kn, scale = kernels.npu_weight_layout(wq, ws, torch.bfloat16)
+    assert w_kn.shape == (64, 16) and scale.shape == (16,) and scale.dtype == torch.float32
+    xq, xs = kernels.quantize_tokens(x)  # what npu_dynamic_quant returns: int8 and a [M] scale
+    acc = torch._int_mm(xq, w_kn)
+    assert torch.equal(kernels.npu_rescale_reference(acc, xs.reshape(-1), scale), kernels.w8a8_linear(x, wq, ws))
+
+
+def test_kernel_check_names_the_flag():
+    kernels.check_kernel("cpu")
+    with pytest.raises(kernels.W8A8Error, match=r"--quantization w8a8 .*--device meta"):
+        kernels.check_kernel("meta")
+    try:
+        import torch_npu  # noqa: F401
+    except ImportError:
+        with pytest.raises(kernels.W8A8Error, match=r"--quantization w8a8 on --device npu needs torch_npu"):
+            kernels.check_kernel("npu")
+
+
+def test_fp4_rows_convert_exactly_when_exponents_span_at_most_3():
+    w = torch.randn(6, 128, generator=_g(5))
+    w[3, 96:] *= 2.0 ** 6  # row 3: block exponents span > 3 -> rounded
+    w[4] = 0.0  # an all-zero row is exact
+    w[5, :32] = 0.0  # a zero block does not constrain the row
+    packed, scale = quantize_fp4(w)
+    counts = RowCounts()
+    q, s = from_fp4(packed, scale, counts)
+    deq = dequantize_fp4(packed, scale)
+    assert (counts.exact, counts.rounded) == (5, 1)
+    exact = [0, 1, 2, 4, 5]
+    assert torch.equal(q[exact].float() * s[exact, None], deq[exact])
+    assert q[exact].abs().max() <= 96
+    assert torch.equal(q[3], from_float(deq[3:4])[0][0])  # rounded like any float row
+
+
+def test_rule_covers_the_large_linears_only():
+    assert is_quantized("layers.3.attn.wq_a") and is_quantized("layers.3.attn.indexer.compressor.wkv")
+    assert is_quantized("layers.0.ffn.experts.7.w2") and is_quantized("mtp.0.e_proj")
+    assert is_quantized("layers.1.ffn.shared_experts.w1")
+    assert not is_quantized("head") and not is_quantized("layers.1.ffn.gate")
+
+
+def _logits(model, n=70):
+    ids = torch.randint(0, 4096, (1, n), generator=_g(0))
+    return model(ids)
+
+
+def test_load_w8a8_converts_each_tensor_and_fuses(tmp_path):
+    model = write_tiny_checkpoint(tmp_path, quantize=True, num_shards=2, with_tokenizer=False)
+    counts = RowCounts()
+    m = load_model(tmp_path, quantization="w8a8", counts=counts)
+    assert counts.exact + counts.rounded == sum(p.shape[0] for n, p in model.named_parameters()
+                                                if ".experts." in n)
+    sd = m.state_dict()
+    assert sd["layers.1.attn.wq_a.weight"].dtype == torch.int8
+    assert sd["layers.1.attn.wq_a.scale"].dtype == torch.float32
+    assert sd["head.weight"].dtype == torch.float32 and sd["layers.1.ffn.gate.weight"].dtype == torch.float32
+    unfused = load_model(tmp_path, quantization="w8a8", fuse=False)
+    assert torch.equal(_logits(m), _logits(unfused))  # fused int8 rows + scales = one by one
+    assert isinstance(m.layers[1].attn.wq_a, QuantLinear) and not isinstance(m.head, QuantLinear)
+    none = load_model(tmp_path)
+    a, b = _logits(m)[0], _logits(none)[0]
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9  # close to the float model
+
+
+def test_convert_then_load_is_bit_identical_to_converting_at_load(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_tiny_checkpoint(src, quantize=True)
+    counts = convert_checkpoint(src, dst, shard_bytes=200_000)
+    assert counts.exact + counts.rounded > 0
+    cfg = json.loads((dst / "config.json").read_text())
+    assert cfg["dsv4_quantization"] == "w8a8" and "quantization_config" not in cfg
+    assert len(list(dst.glob("model-*-of-*.safetensors"))) > 1 and (dst / "tokenizer.json").is_file()
+    at_load = load_model(src, quantization="w8a8")
+    converted = load_model(dst)  # no flag: the config says w8a8
+    for k, v in at_load.state_dict().items():
+        assert torch.equal(converted.state_dict()[k], v), k
+    assert torch.equal(_logits(converted), _logits(at_load))
+    llm = LLM(str(dst), max_model_len=64)
+    assert llm.engine.config.quantization == "w8a8"
+    assert llm.engine.status()["weight_bytes"] < LLM(str(src), max_model_len=64).engine.status()["weight_bytes"]
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    with pytest.raises(EngineConfigError, match=r"--quantization none: .* is a w8a8 conversion"):
+        EngineConfig.create(model=str(dst), quantization="none")
+    with pytest.raises(CheckpointError, match="already a w8a8 conversion"):
+        convert_checkpoint(dst, tmp_path / "again")
+    with pytest.raises(CheckpointError, match="not empty"):
+        convert_checkpoint(src, dst)
+
+
+def _tamper(dst, fn):
+    f = next(p for p in sorted(dst.glob("*.safetensors")) if "layers.1.attn.wq_b.weight" in load_file(p))
+    sd = load_file(f)
+    fn(sd)
+    save_file(sd, f)
+
+
+@pytest.mark.parametrize("what,msg", [
+    ("missing_scale", r"'layers\.1\.attn\.wq_b\.weight' \(I8\) has no scale tensor 'layers\.1\.attn\.wq_b\.scale'"),
+    ("scale_shape", r"int8 weight 'layers\.1\.attn\.wq_b\.weight' .* float32 scale 'layers\.1\.attn\.wq_b\.scale'"),
+    ("weight_shape", r"tensor 'layers\.1\.attn\.wq_b\.(weight|scale)' has shape"),
+])
+def test_broken_conversion_names_the_tensor(tmp_path, what, msg):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_tiny_checkpoint(src, with_tokenizer=False)
+    convert_checkpoint(src, dst)
+    name = "layers.1.attn.wq_b"
+    if what == "missing_scale":
+        _tamper(dst, lambda sd: sd.pop(f"{name}.scale"))
+        idx = json.loads((dst / "model.safetensors.index.json").read_text())
+        del idx["weight_map"][f"{name}.scale"]
+        (dst / "model.safetensors.index.json").write_text(json.dumps(idx))
+    elif what == "scale_shape":
+        _tamper(dst, lambda sd: sd.__setitem__(f"{name}.scale", sd[f"{name}.scale"][:-1].clone()))
+    else:
+        _tamper(dst, lambda sd: (sd.__setitem__(f"{name}.weight", sd[f"{name}.weight"][:-1].clone()),
+                                 sd.__setitem__(f"{name}.scale", sd[f"{name}.scale"][:-1].clone())))
+    with pytest.raises(CheckpointError, match=msg) as e:
+        load_model(dst)
+    assert "\n" not in str(e.value)
+
+
+def test_unknown_quantization_names_the_flag(tmp_path):
+    write_tiny_checkpoint(tmp_path, with_tokenizer=False)
+    with pytest.raises(EngineConfigError, match=r"--quantization 'int4' is not supported; use none or w8a8"):
+        EngineConfig.create(model=str(tmp_path), quantization="int4")
+    with pytest.raises(CheckpointError, match=r"--quantization 'int4'"):
+        load_model(tmp_path, quantization="int4")
+    with pytest.raises(CheckpointError, match="convert writes w8a8 checkpoints only"):
+        convert_checkpoint(tmp_path, tmp_path / "out", quantization="none")
