@@ -62,6 +62,7 @@ class EngineConfig:
     seed: int = 0
     profile_dir: str | None = None
     quantization: str | None = None
+    tensor_parallel_size: int = 1
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -91,6 +92,7 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
+        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device)
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
@@ -194,7 +196,9 @@ class EngineConfig:
     def banner_lines(self) -> list[str]:
         """What the startup banner states (docs/serving.md section 2)."""
         return [
-            f"device {self.device}, dtype {self.dtype}, weights "
+            f"device {self.device}"
+            + (f" x {self.tensor_parallel_size} ranks (tensor parallel)" if self.tensor_parallel_size > 1 else "")
+            + f", dtype {self.dtype}, weights "
             + ("w8a8 (int8 weights per row, int8 activations per token)" if self.quantization == "w8a8"
                else "unquantised"),
             f"model prefill limit {self.model_config.prefill_limit}, "
@@ -208,6 +212,27 @@ class EngineConfig:
 
 
 # ---------------------------------------------------------------------- checks
+def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str) -> None:
+    """--tensor-parallel-size: divides every split dimension; one device per rank."""
+    from dsv4.model.parallel import ParallelError, check_sizes
+
+    _check_int("--tensor-parallel-size", T, minimum=1)
+    try:
+        check_sizes(mc, T)
+    except ParallelError as e:
+        raise EngineConfigError(str(e)) from None
+    kind, sep, _ = device.partition(":")
+    if T > 1 and sep:
+        raise EngineConfigError(f"--tensor-parallel-size {T} gives rank r device {kind}:r; "
+                                f"use --device {kind} (not {device})")
+    if T > 1 and kind in ("cuda", "npu"):
+        import torch
+
+        n = getattr(torch, kind).device_count()
+        if T > n:
+            raise EngineConfigError(f"--tensor-parallel-size {T} needs {T} {kind} devices; {n} are visible")
+
+
 def _check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"

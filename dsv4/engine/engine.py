@@ -21,6 +21,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
+from .ranks import Ranks
 from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
@@ -85,8 +86,15 @@ class Engine:
             self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
         except TokenizerError:
             self.tokenizer = None  # token-id prompts only
-        self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
-                                quantization=config.quantization, progress=progress)
+        T = config.tensor_parallel_size
+        self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
+        try:
+            self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
+                                    quantization=config.quantization, progress=progress, world=T)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         self.scheduler = Scheduler.from_config(config)
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
@@ -141,6 +149,8 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        if self.ranks is not None:
+            self.ranks.check()
         results = self.runner.execute(plan.prefills, plan.decodes)
         if self.profiler is not None:
             self.profiler.step()
@@ -197,7 +207,8 @@ class Engine:
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.config.quantization,
-            "weight_bytes": self.weight_bytes,
+            "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
             "num_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,
@@ -208,7 +219,10 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Flush the profiler (if --profile is on)."""
+        """Flush the profiler (if --profile is on); stop the other ranks."""
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

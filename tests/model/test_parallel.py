@@ -100,9 +100,15 @@ def fp8_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("quant", ["none", "w8a8"])
+@pytest.mark.parametrize("quant", ["none", "w8a8", "converted"])
 def test_two_ranks_equal_one(fp8_checkpoint: Path, tmp_path: Path, quant: str):
+    """`converted`: a `dsv4 convert` output (int8 rows + row scales on disk, sliced as stored)."""
     torch.set_num_threads(1)
+    if quant == "converted":
+        from dsv4.model.convert import convert_checkpoint
+
+        convert_checkpoint(fp8_checkpoint, tmp_path / "w8a8")
+        fp8_checkpoint, quant = tmp_path / "w8a8", "w8a8"
     ref_model = load_model(fp8_checkpoint, quantization=quant)
     ref = run_model(ref_model)
     full_bytes = sum(t.numel() * t.element_size() for t in ref_model.state_dict().values())

@@ -1,0 +1,176 @@
+"""Ranks 1..T-1 of one host under tensor parallelism, and what they run.
+
+Rank 0 (the daemon, `run --local`, `LLM`) owns the scheduler. `Ranks.start(config)`
+spawns the other ranks (`torch.multiprocessing` spawn context; rank r on device r with
+`--device cuda`/`npu`, on CPU T processes over gloo) and joins the group itself. Every
+step, `Runner.execute` on rank 0 broadcasts the plan (`plan_message`: rows, prompts
+when a request starts, decode tokens with their drafts); each other rank rebuilds it
+on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
+and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
+
+Failure: a rank that dies makes the next collective fail on the others (gloo: the
+connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
+liveness before each step (`check`), and each worker exits when its pipe from rank 0
+closes (rank 0 gone). `close` sends the stop message, then terminates what is left.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from ..model import parallel
+from .request import Request
+from .sampling import SamplingParams
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class RankError(RuntimeError):
+    """A rank of the tensor-parallel group died or could not start (one line)."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r / npu:r for an accelerator, cpu otherwise."""
+    kind = device.partition(":")[0]
+    return kind if kind == "cpu" else f"{kind}:{rank}"
+
+
+def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
+                 drafts: dict[int, list[int]]) -> tuple[list, list]:
+    """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row."""
+    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
+            [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
+             for r, n in decodes])
+
+
+def follow(runner: Any) -> None:
+    """A worker's loop: run every step rank 0 broadcasts, until the stop message (None)."""
+    shadows: dict[int, Request] = {}
+    while True:
+        msg = parallel.broadcast_object(None)
+        if msg is None:
+            return
+        pre, dec = msg
+        prefills, decodes = [], []
+        for slot, start, n, prompt, k in pre:
+            if prompt is not None:
+                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
+            shadows[slot].num_spec = k
+            prefills.append((shadows[slot], start, n))
+        for slot, n, computed, last, k, drafts in dec:
+            req = shadows[slot]
+            req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
+            runner.drafts[slot] = list(drafts)
+            decodes.append((req, n))
+        runner.execute(prefills, decodes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_when_closed(pipe: Any) -> None:
+    """Block on the pipe from rank 0; when it closes (rank 0 gone), leave at once."""
+    try:
+        pipe.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(3)
+
+
+def worker_main(rank: int, config: Any, port: int, pipe: Any) -> None:
+    """Entry point of rank `rank` >= 1: join the group, load its shard, follow rank 0."""
+    from ..model.loader import load_model
+    from .runner import Runner
+
+    threading.Thread(target=_exit_when_closed, args=(pipe,), daemon=True).start()
+    T = config.tensor_parallel_size
+    try:
+        dev = rank_device(config.device, rank)
+        if dev != "cpu":
+            getattr(torch, dev.partition(":")[0]).set_device(dev)
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // T))
+        parallel.init(rank, T, "127.0.0.1", port, backend=BACKENDS[dev.partition(":")[0]],
+                      timeout_s=COLLECTIVE_TIMEOUT_S)
+        model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
+                           rank=rank, world=T)
+        runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                        max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                        device=torch.device(dev))
+        follow(runner)
+        parallel.close()
+    except BaseException:
+        if os.environ.get("DSV4_DEBUG"):
+            traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+class Ranks:
+    """Rank 0's handle on the other ranks of its host."""
+
+    def __init__(self, config: Any):
+        T = config.tensor_parallel_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.procs, self.pipes = [], []
+        for r in range(1, T):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(r, config, port, child), daemon=True, name=f"dsv4-rank{r}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.pipes.append(parent)
+        kind = config.device.partition(":")[0]
+        if kind == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // T))
+        try:
+            parallel.init(0, T, "127.0.0.1", port, backend=BACKENDS[kind], timeout_s=COLLECTIVE_TIMEOUT_S)
+        except Exception as e:
+            self.close()
+            raise RankError(f"--tensor-parallel-size {T}: the ranks did not join ({type(e).__name__}: {e})") from None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self) -> None:
+        """Raise `RankError` if a worker has exited."""
+        for r, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                raise RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+
+    def close(self) -> None:
+        """Stop the workers: the stop message while all live, then terminate, then kill."""
+        try:
+            if parallel.world_size() > 1 and all(p.is_alive() for p in self.procs):
+                parallel.broadcast_object(None)
+        except Exception:  # noqa: BLE001  (a peer died meanwhile)
+            pass
+        for p in self.procs:
+            p.join(10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for pipe in self.pipes:
+            pipe.close()
+        try:
+            parallel.close()
+        except Exception:  # noqa: BLE001
+            pass
