@@ -58,7 +58,7 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    quantization: O.Quantization = None, socket: O.Socket = None,
+    quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None, socket: O.Socket = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -70,7 +70,8 @@ def serve(
                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-                         seed=seed, profile_dir=profile, quantization=quantization)
+                         seed=seed, profile_dir=profile, quantization=quantization,
+                         tensor_parallel_size=tensor_parallel_size)
     config = O.build_config(kw)  # validation only: no weights are read
     endpoint = resolve_endpoint(socket)
     paths.ensure_private_dir(paths.state_dir(endpoint))

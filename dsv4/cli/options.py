@@ -80,6 +80,10 @@ Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
          "[default: as the checkpoint is stored]")]
+TensorParallel = Annotated[Optional[int], typer.Option(
+    "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
+    help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
+         "rank r uses cuda:r, on cpu T processes) [default: 1]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -88,6 +92,7 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "profile_dir": "--profile", "quantization": "--quantization",
+    "tensor_parallel_size": "--tensor-parallel-size",
 }
 
 

@@ -101,7 +101,7 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 
 def run_daemon(config: Any, endpoint: str) -> int:
     """Serve in the foreground until stopped; returns the exit status."""
-    from dsv4.daemon.server import Server
+    from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
     lock = PidLock(pid_file(endpoint))
@@ -137,6 +137,8 @@ def run_daemon(config: Any, endpoint: str) -> int:
             close = getattr(engine, "close", None)
             if close is not None:
                 close()  # flushes --profile traces
+        if reason == RANK_FAILURE:
+            return EXIT_ERROR
         return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_OK
     except KeyboardInterrupt as e:
         log.info("interrupted (%s) before serving", e.args[0] if e.args else "SIGINT")

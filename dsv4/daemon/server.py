@@ -43,6 +43,8 @@ log = logging.getLogger("dsv4.daemon")
 
 
 @dataclass
+RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits non-zero
+
 class _Live:
     """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
 
@@ -256,6 +258,8 @@ class Server:
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed; failing the requests in flight")
             self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
+            if getattr(self.engine, "ranks", None) is not None:  # a broken tensor-parallel group cannot go on
+                self.stop_reason = RANK_FAILURE
             return
         for out in outputs:
             live = self._live.get(out.request_id)
