@@ -120,6 +120,9 @@ def run_daemon(config: Any, endpoint: str) -> int:
         for line in config.banner_lines():
             log.info("%s", line)
         log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
+        if len(getattr(engine, "rank_weight_bytes", ())) > 1:
+            log.info("weights per rank: %s", ", ".join(f"rank {r} {human_bytes(b)}"
+                                                        for r, b in enumerate(engine.rank_weight_bytes)))
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
         server = Server(engine, endpoint, model_name=model_name)

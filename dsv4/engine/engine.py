@@ -21,7 +21,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
-from .ranks import Ranks
+from .ranks import Ranks, gather_weight_bytes
 from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
@@ -95,7 +95,8 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.close()
             raise
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
+        self.weight_bytes = self.rank_weight_bytes[0]
         self.scheduler = Scheduler.from_config(config)
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
@@ -209,6 +210,7 @@ class Engine:
             "quantization": self.config.quantization,
             "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
             "tensor_parallel_size": self.config.tensor_parallel_size,
+            "rank_weight_bytes": self.rank_weight_bytes,
             "num_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,

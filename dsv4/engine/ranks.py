@@ -74,6 +74,13 @@ def follow(runner: Any) -> None:
         runner.execute(prefills, decodes)
 
 
+def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
+    """Every rank's resident weight bytes, in rank order (a collective: all ranks call it once after loading)."""
+    mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    dev = next(iter(model.state_dict().values())).device
+    return [int(b) for b in parallel.all_gather(torch.tensor([mine], dtype=torch.float64, device=dev)).tolist()]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -106,6 +113,7 @@ def worker_main(rank: int, config: Any, port: int, pipe: Any) -> None:
                       timeout_s=COLLECTIVE_TIMEOUT_S)
         model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
                            rank=rank, world=T)
+        gather_weight_bytes(model)
         runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                         max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
                         device=torch.device(dev))
