@@ -42,9 +42,10 @@ SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 log = logging.getLogger("dsv4.daemon")
 
 
-@dataclass
 RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits non-zero
 
+
+@dataclass
 class _Live:
     """A request in flight: who asked, under which id, and its per-token detokeniser (if wanted)."""
 

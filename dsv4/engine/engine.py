@@ -152,7 +152,12 @@ class Engine:
             return []
         if self.ranks is not None:
             self.ranks.check()
-        results = self.runner.execute(plan.prefills, plan.decodes)
+        try:
+            results = self.runner.execute(plan.prefills, plan.decodes)
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
         if self.profiler is not None:
             self.profiler.step()
         self.metrics.on_step(sum(n for _, _, n in plan.prefills), sum(n for _, n in plan.decodes))

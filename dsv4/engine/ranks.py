@@ -160,6 +160,18 @@ class Ranks:
             if not p.is_alive():
                 raise RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
 
+    def failure(self, e: BaseException) -> RankError:
+        """The one-line error for a step that raised `e`: the rank that died (waiting up to
+        2 s for its sentinel), or the collective's own first line."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.procs], timeout=2.0)
+        for r, p in enumerate(self.procs, start=1):
+            if not p.is_alive():
+                return RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return RankError(f"tensor-parallel step failed: {type(e).__name__}: {line}")
+
     def close(self) -> None:
         """Stop the workers: the stop message while all live, then terminate, then kill."""
         try:

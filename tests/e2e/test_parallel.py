@@ -1,0 +1,82 @@
+"""`dsv4 serve --tensor-parallel-size 2` as a real daemon (rank 1 a spawned process, gloo):
+the same greedy text as one process, each rank's weight bytes in `status`, `dsv4 stop`
+stops every rank, and a rank killed mid-request fails the client and the daemon (exit 1)
+with no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from tests.e2e.util import Daemon, dsv4, run_json, spawn, status, wait_until
+
+PROMPT = "Hamlet:"
+N = 12
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid (children first-level and their own)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                with open(f"/proc/{p}/task/{t}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except OSError:
+                kids = []
+            out += kids
+            todo += kids
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_two_ranks_serve_the_same_text_and_stop_together(daemon: Daemon, tiny_model: Path) -> None:
+    ref = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=daemon.endpoint)
+    d = Daemon(tiny_model, "--tensor-parallel-size", "2").wait_ready(timeout=180)
+    try:
+        kids = descendants(d.proc.pid)
+        assert kids
+        out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
+        assert out["text"] == ref["text"]
+        st = status(d.endpoint)
+        assert st["tensor_parallel_size"] == 2 and len(st["rank_weight_bytes"]) == 2
+        r = dsv4("stop", endpoint=d.endpoint, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert d.proc.wait(30) == 0
+        assert wait_until(lambda: not any(alive(k) for k in kids), timeout=15), [k for k in kids if alive(k)]
+    finally:
+        d.cleanup()
+
+
+def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
+    d = Daemon(tiny_model, "--tensor-parallel-size", "2").wait_ready(timeout=180)
+    try:
+        kids = descendants(d.proc.pid)
+        client = spawn("run", "--max-tokens", "400", "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
+        assert wait_until(lambda: status(d.endpoint)["running"] == 1, timeout=30)
+        ranks = [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
+        assert len(ranks) == 1, kids  # rank 1 (the spawn helper processes aside)
+        os.kill(ranks[0], signal.SIGKILL)
+        _, err = client.communicate(timeout=60)
+        assert client.returncode != 0 and "tensor-parallel rank 1" in err and len(err.strip().splitlines()) == 1, err
+        assert d.proc.wait(60) == 1, d.log.read_text()
+        assert wait_until(lambda: not any(alive(k) for k in kids), timeout=15), [k for k in kids if alive(k)]
+    finally:
+        if client.poll() is None:
+            client.kill()
+        d.cleanup()
