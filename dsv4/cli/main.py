@@ -58,7 +58,9 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None, socket: O.Socket = None,
+    quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None, nnodes: O.NNodes = None,
+    node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None, master_port: O.MasterPort = None,
+    rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -71,7 +73,8 @@ def serve(
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, quantization=quantization,
-                         tensor_parallel_size=tensor_parallel_size)
+                         tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
+                         master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     config = O.build_config(kw)  # validation only: no weights are read
     endpoint = resolve_endpoint(socket)
     paths.ensure_private_dir(paths.state_dir(endpoint))
@@ -190,8 +193,12 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
     from dsv4.daemon.paths import PathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
+    from dsv4.engine.ranks import RankError
+
     if isinstance(e, CliError):
         return e.code, str(e)
+    if isinstance(e, RankError):
+        return O.EXIT_ERROR, str(e)
     if isinstance(e, DaemonUnreachable):
         return O.EXIT_UNAVAILABLE, str(e)
     if isinstance(e, (DaemonTimeout, TimeoutError)):

@@ -104,6 +104,12 @@ def run_daemon(config: Any, endpoint: str) -> int:
     from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
+    if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
+        from dsv4.engine.ranks import serve_node
+
+        log.info("node %d of %d: joining rank 0 at %s:%s", config.node_rank, config.nnodes, config.master_addr,
+                 config.master_port)
+        return serve_node(config)
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():
         print(report_running(endpoint), file=sys.stderr)

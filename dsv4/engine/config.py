@@ -63,6 +63,11 @@ class EngineConfig:
     profile_dir: str | None = None
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rendezvous_timeout: float = 60.0
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -92,7 +97,8 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
-        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device)
+        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device, self.nnodes)
+        _check_hosts(self)
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
@@ -212,8 +218,30 @@ class EngineConfig:
 
 
 # ---------------------------------------------------------------------- checks
-def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str) -> None:
-    """--tensor-parallel-size: divides every split dimension; one device per rank."""
+def _check_hosts(c: "EngineConfig") -> None:
+    """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
+    _check_int("--nnodes", c.nnodes, minimum=1)
+    _check_int("--node-rank", c.node_rank, minimum=0)
+    if c.node_rank >= c.nnodes:
+        raise EngineConfigError(f"--node-rank {c.node_rank} is out of range for --nnodes {c.nnodes} "
+                                f"(use 0..{c.nnodes - 1})")
+    if c.tensor_parallel_size % c.nnodes:
+        raise EngineConfigError(f"--tensor-parallel-size {c.tensor_parallel_size} is not a multiple of "
+                                f"--nnodes {c.nnodes} (each host runs the same number of ranks)")
+    if c.nnodes > 1 and (c.master_addr is None or c.master_port is None):
+        raise EngineConfigError(f"--nnodes {c.nnodes} needs --master-addr and --master-port "
+                                f"(the host of node rank 0 and a free port there)")
+    if c.master_port is not None:
+        _check_int("--master-port", c.master_port, minimum=1)
+        if c.master_port > 65535:
+            raise EngineConfigError(f"--master-port {c.master_port} is not a TCP port (1..65535)")
+    if not isinstance(c.rendezvous_timeout, (int, float)) or c.rendezvous_timeout <= 0:
+        raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
+                                f"got {c.rendezvous_timeout!r}")
+
+
+def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1) -> None:
+    """--tensor-parallel-size: divides every split dimension; one device per rank of a host."""
     from dsv4.model.parallel import ParallelError, check_sizes
 
     _check_int("--tensor-parallel-size", T, minimum=1)
@@ -229,8 +257,10 @@ def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str) -> None:
         import torch
 
         n = getattr(torch, kind).device_count()
-        if T > n:
-            raise EngineConfigError(f"--tensor-parallel-size {T} needs {T} {kind} devices; {n} are visible")
+        local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
+        if local > n:
+            raise EngineConfigError(f"--tensor-parallel-size {T} over --nnodes {nnodes} needs {local} {kind} "
+                                    f"devices on each host; {n} are visible")
 
 
 def _check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:

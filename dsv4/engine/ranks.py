@@ -8,6 +8,10 @@ when a request starts, decode tokens with their drafts); each other rank rebuild
 on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
 and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
 
+Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each host
+runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
+(scheduler, client socket), the others run `serve_node` and bind nothing.
+
 Failure: a rank that dies makes the next collective fail on the others (gloo: the
 connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
 liveness before each step (`check`), and each worker exits when its pipe from rank 0
@@ -96,28 +100,43 @@ def _exit_when_closed(pipe: Any) -> None:
     os._exit(3)
 
 
-def worker_main(rank: int, config: Any, port: int, pipe: Any) -> None:
-    """Entry point of rank `rank` >= 1: join the group, load its shard, follow rank 0."""
+def _local_device(config: Any, rank: int) -> str:
+    """Rank `rank`'s device on its host (device index = its place among the host's ranks);
+    made current, or on CPU the host's cores shared among its ranks."""
+    per_host = config.tensor_parallel_size // config.nnodes
+    dev = rank_device(config.device, rank % per_host)
+    if dev != "cpu":
+        getattr(torch, dev.partition(":")[0]).set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+    return dev
+
+
+def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
+    parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
+                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout)
+
+
+def _follow_rank(rank: int, config: Any, dev: str) -> None:
+    """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
     from ..model.loader import load_model
     from .runner import Runner
 
+    model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
+                       rank=rank, world=config.tensor_parallel_size)
+    gather_weight_bytes(model)
+    follow(Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                  max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                  device=torch.device(dev)))
+
+
+def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:
+    """Entry point of a spawned rank: join the group, load its shard, follow rank 0."""
     threading.Thread(target=_exit_when_closed, args=(pipe,), daemon=True).start()
-    T = config.tensor_parallel_size
     try:
-        dev = rank_device(config.device, rank)
-        if dev != "cpu":
-            getattr(torch, dev.partition(":")[0]).set_device(dev)
-        else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // T))
-        parallel.init(rank, T, "127.0.0.1", port, backend=BACKENDS[dev.partition(":")[0]],
-                      timeout_s=COLLECTIVE_TIMEOUT_S)
-        model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
-                           rank=rank, world=T)
-        gather_weight_bytes(model)
-        runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                        max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                        device=torch.device(dev))
-        follow(runner)
+        dev = _local_device(config, rank)
+        _join(rank, config, addr, port, dev)
+        _follow_rank(rank, config, dev)
         parallel.close()
     except BaseException:
         if os.environ.get("DSV4_DEBUG"):
@@ -126,29 +145,49 @@ def worker_main(rank: int, config: Any, port: int, pipe: Any) -> None:
     os._exit(0)
 
 
+def serve_node(config: Any) -> int:
+    """`dsv4 serve --node-rank R` (R > 0): this host's ranks join rank 0's group and run its
+    steps until rank 0 stops (exit 0) or the group fails (`RankError`). Binds no socket."""
+    ranks = Ranks(config)
+    try:
+        _follow_rank(ranks.first, config, ranks.device)
+    except Exception as e:
+        raise ranks.failure(e) from None
+    finally:
+        ranks.close()
+    return 0
+
+
 class Ranks:
-    """Rank 0's handle on the other ranks of its host."""
+    """A host's handle on its other ranks: this process is the host's first rank (rank 0
+    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each)."""
 
     def __init__(self, config: Any):
-        T = config.tensor_parallel_size
+        T, N = config.tensor_parallel_size, config.nnodes
+        per_host = T // N
+        self.first = config.node_rank * per_host
+        addr = config.master_addr or "127.0.0.1"
+        port = config.master_port or _free_port()
         ctx = mp.get_context("spawn")
-        port = _free_port()
         self.procs, self.pipes = [], []
-        for r in range(1, T):
+        for r in range(self.first + 1, self.first + per_host):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(r, config, port, child), daemon=True, name=f"dsv4-rank{r}")
+            p = ctx.Process(target=worker_main, args=(r, config, addr, port, child), daemon=True,
+                            name=f"dsv4-rank{r}")
             p.start()
             child.close()
             self.procs.append(p)
             self.pipes.append(parent)
-        kind = config.device.partition(":")[0]
-        if kind == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // T))
+        self.device = _local_device(config, self.first)
         try:
-            parallel.init(0, T, "127.0.0.1", port, backend=BACKENDS[kind], timeout_s=COLLECTIVE_TIMEOUT_S)
+            _join(self.first, config, addr, port, self.device)
         except Exception as e:
             self.close()
-            raise RankError(f"--tensor-parallel-size {T}: the ranks did not join ({type(e).__name__}: {e})") from None
+            if self.first > 0:
+                raise RankError(f"--nnodes {N}: rank 0 did not answer at --master-addr {addr} --master-port {port} "
+                                f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None
+            raise RankError(f"--tensor-parallel-size {T}: the other ranks did not join within "
+                            f"{config.rendezvous_timeout:g} s ({type(e).__name__})") from None
 
     @property
     def pids(self) -> list[int]:
@@ -156,7 +195,7 @@ class Ranks:
 
     def check(self) -> None:
         """Raise `RankError` if a worker has exited."""
-        for r, p in enumerate(self.procs, start=1):
+        for r, p in enumerate(self.procs, start=self.first + 1):
             if not p.is_alive():
                 raise RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
 
@@ -166,7 +205,7 @@ class Ranks:
         from multiprocessing.connection import wait
 
         wait([p.sentinel for p in self.procs], timeout=2.0)
-        for r, p in enumerate(self.procs, start=1):
+        for r, p in enumerate(self.procs, start=self.first + 1):
             if not p.is_alive():
                 return RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
         line = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -175,7 +214,7 @@ class Ranks:
     def close(self) -> None:
         """Stop the workers: the stop message while all live, then terminate, then kill."""
         try:
-            if parallel.world_size() > 1 and all(p.is_alive() for p in self.procs):
+            if parallel.world_size() > 1 and parallel.rank() == 0 and all(p.is_alive() for p in self.procs):
                 parallel.broadcast_object(None)
         except Exception:  # noqa: BLE001  (a peer died meanwhile)
             pass

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import datetime
 import re
+import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +32,13 @@ from torch import nn
 from ..config import ModelConfig
 
 _GROUP: dist.ProcessGroup | None = None
+STATS: dict[str, list] = {}  # collective -> [calls, seconds] on this rank (benchmarks/parallel.py)
+
+
+def _count(name: str, t0: float) -> None:
+    c = STATS.setdefault(name, [0, 0.0])
+    c[0] += 1
+    c[1] += time.perf_counter() - t0
 
 
 class ParallelError(ValueError):
@@ -38,15 +47,34 @@ class ParallelError(ValueError):
 
 # ------------------------------------------------------------------ the group
 def init(rank: int, world: int, master_addr: str, master_port: int, *, backend: str = "gloo",
-         timeout_s: float = 60.0) -> None:
-    """Join the group of `world` ranks rendezvousing at master_addr:master_port (TCP store).
-    `timeout_s` bounds the rendezvous and every collective (a dead peer cannot hang a rank)."""
+         timeout_s: float = 60.0, rendezvous_s: float | None = None) -> None:
+    """Join the group of `world` ranks rendezvousing at master_addr:master_port (TCP store,
+    served by rank 0). `rendezvous_s` (default `timeout_s`) bounds the wait for the others;
+    `timeout_s` bounds every collective (a dead peer cannot hang a rank)."""
     global _GROUP
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0, timeout=timeout,
+    wait = rendezvous_s if rendezvous_s is not None else timeout_s
+    meet = datetime.timedelta(seconds=wait)
+    if rank != 0:
+        _wait_for_master(master_addr, master_port, wait)
+    store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0, timeout=meet,
                           wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _GROUP = dist.group.WORLD
+
+
+def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
+    """Until rank 0's store accepts a connection; `TimeoutError` after `timeout_s` (checked
+    here, so an absent master is one clean error rather than c10d's retry log)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((addr, port), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing listens at {addr}:{port}") from None
+            time.sleep(0.2)
 
 
 def close() -> None:
@@ -70,8 +98,10 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks, reduced in float32 (gloo has no bf16 sum), in x's dtype."""
     if _GROUP is None:
         return x
+    t0 = time.perf_counter()
     y = x.float() if x.dtype != torch.float32 else x.contiguous()
     dist.all_reduce(y)
+    _count("all_reduce", t0)
     return y.to(x.dtype)
 
 
@@ -80,8 +110,10 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     int8 linear's input, and a row-parallel weight's row amax when quantised at load."""
     if _GROUP is None:
         return x
+    t0 = time.perf_counter()
     y = x.float().contiguous()
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    _count("all_reduce_max", t0)
     return y
 
 
@@ -89,8 +121,10 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     """The ranks' x [..., n] concatenated along the last dim, in rank order: [..., T * n]."""
     if _GROUP is None:
         return x
+    t0 = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(parts, x.contiguous())
+    _count("all_gather", t0)
     return torch.cat(parts, dim=-1)
 
 
@@ -98,8 +132,10 @@ def broadcast_object(obj: object = None) -> object:
     """Rank 0's `obj` on every rank (the engine's per-step plan and results)."""
     if _GROUP is None:
         return obj
+    t0 = time.perf_counter()
     box = [obj]
     dist.broadcast_object_list(box, src=0)
+    _count("broadcast_object", t0)
     return box[0]
 
 

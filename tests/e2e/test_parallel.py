@@ -1,17 +1,19 @@
 """`dsv4 serve --tensor-parallel-size 2` as a real daemon (rank 1 a spawned process, gloo):
 the same greedy text as one process, each rank's weight bytes in `status`, `dsv4 stop`
 stops every rank, and a rank killed mid-request fails the client and the daemon (exit 1)
-with no process left behind."""
+with no process left behind; two "hosts" on loopback (--nnodes 2) give the same text,
+and a host whose master never answers fails in one line."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import subprocess
+import socket
 import time
 from pathlib import Path
 
-from tests.e2e.util import Daemon, dsv4, run_json, spawn, status, wait_until
+from tests.e2e.util import Daemon, dsv4, run_json, short_dir, spawn, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12
@@ -80,3 +82,56 @@ def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
         if client.poll() is None:
             client.kill()
         d.cleanup()
+
+
+def test_two_hosts_on_loopback_give_the_same_text(daemon: Daemon, tiny_model: Path) -> None:
+    """The same serve command on two "hosts" (node ranks 0 and 1, one rank each) forms one group."""
+    ref = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=daemon.endpoint)
+    port, other_dir = free_port(), short_dir()
+    common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    other = spawn("serve", "--model", str(tiny_model), "--socket", f"ipc://{other_dir}/h1.sock", *common,
+                  "--node-rank", "1")
+    d = Daemon(tiny_model, *common, "--node-rank", "0")
+    try:
+        d.wait_ready(timeout=180)
+        assert list(other_dir.iterdir()) == []  # node 1 binds nothing
+        out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
+        assert out["text"] == ref["text"]
+        assert dsv4("stop", endpoint=d.endpoint, timeout=60).returncode == 0
+        assert d.proc.wait(30) == 0
+        assert other.wait(30) == 0, other.stderr.read()
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
+        d.cleanup()
+        shutil.rmtree(other_dir, ignore_errors=True)
+
+
+def test_unreachable_master_fails_in_one_line(tiny_model: Path) -> None:
+    port, d = free_port(), short_dir()
+    try:
+        r = dsv4("serve", "--model", str(tiny_model), "--socket", f"ipc://{d}/d.sock", "--tensor-parallel-size", "2",
+                 "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                 "--rendezvous-timeout", "3", timeout=90)
+        assert r.returncode == 1, r.stderr
+        lines = r.stderr.strip().splitlines()  # the daemon's log lines, then the error
+        assert "Traceback" not in r.stderr and "frame #" not in r.stderr, r.stderr
+        assert lines[-1].startswith("dsv4: ") and (f"--nnodes 2: rank 0 did not answer at --master-addr 127.0.0.1 --master-port "
+                                    f"{port} within 3 s") in lines[-1], r.stderr
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_nnodes_without_master_is_refused(tiny_model: Path) -> None:
+    r = dsv4("serve", "--model", str(tiny_model), "--socket", "ipc:///tmp/dsv4t-none/d.sock",
+             "--tensor-parallel-size", "2", "--nnodes", "2")
+    assert r.returncode == 2
+    assert r.stderr.strip() == "dsv4: --nnodes 2 needs --master-addr and --master-port (the host of node rank 0 " \
+                               "and a free port there)", r.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
