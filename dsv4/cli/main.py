@@ -139,7 +139,7 @@ def convert(
     dst: Annotated[Path, typer.Argument(metavar="DST", help="New directory to write the converted checkpoint to.")],
     quantization: Annotated[str, typer.Option("--quantization", metavar="FORMAT",
                                               help="Format to write: w8a8 (int8 weights per row).")] = "w8a8",
-    shard_size: Annotated[float, typer.Option("--shard-size", metavar="GB", min=0.001,
+    shard_size: Annotated[float, typer.Option("--shard-size", metavar="GB", min=0.0001,
                                               help="Largest shard file, in GB.")] = 4.0,
 ) -> None:
     """Convert a checkpoint (e.g. to w8a8) once, so that loading it needs no conversion work."""
@@ -207,6 +207,10 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
         return (O.EXIT_USAGE if e.code == ERR_INVALID_PARAMS else O.EXIT_ERROR), f"daemon: {e.message}"
     if isinstance(e, PathError):
         return O.EXIT_USAGE, str(e)
+    from dsv4.model.checkpoint import CheckpointError
+
+    if isinstance(e, CheckpointError):  # a checkpoint that cannot load (shapes, scales, memory)
+        return O.EXIT_ERROR, str(e)
     if isinstance(e, (KeyboardInterrupt, typer.Abort)):
         return O.EXIT_INTERRUPTED, None
     if isinstance(e, ClickException):

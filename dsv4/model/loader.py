@@ -86,12 +86,21 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         to_w8a8(model)
     layout = parallel.shard_model(model, rank, world) if world > 1 else None
     _set_dtypes(model, dtype)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    check_tensors(_produced_shapes(ck, model, layout), expected)
-    model.to_empty(device=dev)
-    if fuse:
-        model.fuse_projections()
-    _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout)
+    sd = model.state_dict()
+    check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
+    try:
+        model.to_empty(device=dev)
+        if fuse:
+            model.fuse_projections()
+        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout)
+    except (RuntimeError, MemoryError, CheckpointError) as e:
+        if "allocate memory" not in str(e) and "out of memory" not in str(e).lower():
+            raise
+        need = sum(t.numel() * t.element_size() for t in sd.values())
+        hint = " or --quantization w8a8" if quantization == "none" else ""
+        raise CheckpointError(f"out of memory loading {path} on {dev}: its weights need {need / 2**20:.0f} MiB "
+                              f"as {quantization} {str(dtype).removeprefix('torch.')}; free memory, use a smaller "
+                              f"--dtype{hint}") from None
     model.make_rope_tables(dev)
     _release_free_memory()
     return model.eval()
