@@ -193,11 +193,11 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
     from dsv4.daemon.paths import PathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
-    from dsv4.engine.ranks import RankError
+    ranks = sys.modules.get("dsv4.engine.ranks")  # loaded only if ranks ran (it imports torch)
 
     if isinstance(e, CliError):
         return e.code, str(e)
-    if isinstance(e, RankError):
+    if ranks is not None and isinstance(e, ranks.RankError):
         return O.EXIT_ERROR, str(e)
     if isinstance(e, DaemonUnreachable):
         return O.EXIT_UNAVAILABLE, str(e)

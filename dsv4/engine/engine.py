@@ -21,7 +21,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
-from .ranks import Ranks, gather_weight_bytes
+from .ranks import RankError, Ranks, gather_weight_bytes
 from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
@@ -87,6 +87,9 @@ class Engine:
         except TokenizerError:
             self.tokenizer = None  # token-id prompts only
         T = config.tensor_parallel_size
+        if config.node_rank > 0:
+            raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
+                            f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")
         self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
         try:
             self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
