@@ -204,9 +204,11 @@ class Ranks:
         2 s for its sentinel), or the collective's own first line."""
         from multiprocessing.connection import wait
 
-        wait([p.sentinel for p in self.procs], timeout=2.0)
+        ready = set(wait([p.sentinel for p in self.procs], timeout=2.0))
         for r, p in enumerate(self.procs, start=self.first + 1):
-            if not p.is_alive():
+            # the sentinel (its pipe) closes a moment before the process can be reaped
+            if p.sentinel in ready or not p.is_alive():
+                p.join(5)
                 return RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
         line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         return RankError(f"tensor-parallel step failed: {type(e).__name__}: {line}")
