@@ -90,7 +90,7 @@ class _LocalBackend:
         return [msg for out in outs for msg in P.output_messages(out.request_id, out)]
 
     def close(self) -> None:
-        pass
+        self.engine.close()  # stops the other tensor-parallel ranks, if any
 
 
 def _run_arm(backend: Any, prompts: list[list[int]], params: dict[str, Any], concurrency: int,

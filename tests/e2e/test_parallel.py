@@ -65,6 +65,17 @@ def test_two_ranks_serve_the_same_text_and_stop_together(daemon: Daemon, tiny_mo
         d.cleanup()
 
 
+def test_run_and_bench_local_with_two_ranks(tiny_model: Path) -> None:
+    args = ("--local", "--model", str(tiny_model), "--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT)
+    one = dsv4("run", *args, timeout=180)
+    two = dsv4("run", *args, "--tensor-parallel-size", "2", timeout=180)
+    assert one.returncode == 0 and two.returncode == 0, two.stderr
+    assert two.stdout == one.stdout
+    r = dsv4("bench", "--local", "--model", str(tiny_model), "--tensor-parallel-size", "2", "--prompt-len", "8",
+             "--gen-len", "4", "--num-prompts", "2", "--concurrency", "1", "--mtp", "on", "--warmup", "0", timeout=180)
+    assert r.returncode == 0, r.stderr
+
+
 def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
     d = Daemon(tiny_model, "--tensor-parallel-size", "2").wait_ready(timeout=180)
     try:
