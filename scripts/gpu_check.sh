@@ -23,3 +23,7 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
 python3 benchmarks/run.py --device cuda --data "$DATA" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+# tensor parallelism at T = 1 on the one lent GPU (the collectives are no-ops; T = 2 needs two devices),
+# then the gloo T = 2 exactness tests on the host's CPUs
+python3 benchmarks/parallel.py --device cuda --sizes 1 2>&1 | tee "$OUT/parallel.log"
+python3 -m pytest -q -p no:cacheprovider tests/model/test_parallel.py 2>&1 | tee "$OUT/parallel_tests.log"

@@ -60,8 +60,10 @@ def serve(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
-    threads: O.Threads = None, quantization: O.Quantization = None, socket: O.Socket = None, http: O.Http = None,
-    api_key: O.ApiKey = None,
+    threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
+    nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
+    master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
+    http: O.Http = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -73,7 +75,9 @@ def serve(
                          max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-                         seed=seed, profile_dir=profile, threads=threads, quantization=quantization)
+                         seed=seed, profile_dir=profile, threads=threads, quantization=quantization,
+                         tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
+                         master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     endpoint = resolve_endpoint(socket)
     if O.check_listen_key(endpoint, api_key):
         O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
@@ -190,8 +194,12 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
     from dsv4.daemon.paths import PathError, UnsafePathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
+    ranks = sys.modules.get("dsv4.engine.ranks")  # loaded only if ranks ran (it imports torch)
+
     if isinstance(e, CliError):
         return e.code, str(e)
+    if ranks is not None and isinstance(e, ranks.RankError):
+        return O.EXIT_ERROR, str(e)
     if isinstance(e, DaemonUnreachable):
         return O.EXIT_UNAVAILABLE, str(e)
     if isinstance(e, (DaemonTimeout, TimeoutError)):

@@ -95,6 +95,25 @@ Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
          "[default: as the checkpoint is stored]")]
+TensorParallel = Annotated[Optional[int], typer.Option(
+    "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
+    help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
+         "rank r uses cuda:r, on cpu T processes) [default: 1]")]
+NNodes = Annotated[Optional[int], typer.Option(
+    "--nnodes", metavar="N", rich_help_panel=ENGINE_PANEL,
+    help="Hosts the T ranks span (the same serve command on each, T / N ranks per host) [default: 1]")]
+NodeRank = Annotated[Optional[int], typer.Option(
+    "--node-rank", metavar="R", rich_help_panel=ENGINE_PANEL,
+    help="This host's place 0..N-1; node 0 serves clients, the others bind nothing [default: 0]")]
+MasterAddr = Annotated[Optional[str], typer.Option(
+    "--master-addr", metavar="ADDR", rich_help_panel=ENGINE_PANEL,
+    help="Address of node 0, where the ranks meet (needed with --nnodes > 1)")]
+MasterPort = Annotated[Optional[int], typer.Option(
+    "--master-port", metavar="PORT", rich_help_panel=ENGINE_PANEL,
+    help="Free TCP port on node 0 for the rendezvous (needed with --nnodes > 1)")]
+RendezvousTimeout = Annotated[Optional[float], typer.Option(
+    "--rendezvous-timeout", metavar="SECONDS", rich_help_panel=ENGINE_PANEL,
+    help="How long the ranks wait for each other at startup [default: 60]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -103,6 +122,8 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
+    "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
+    "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
 }
 
 

@@ -81,7 +81,7 @@ SETTING_FLAGS = {
     "max_model_len": "--max-model-len", "max_num_batched_tokens": "--max-num-batched-tokens",
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
-    "seed": "--seed", "quantization": "--quantization",
+    "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
 }
 
 
@@ -147,9 +147,15 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
 def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None = None) -> int:
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
     `dsv4.http.server.HttpServer` for --http, or None."""
-    from dsv4.daemon.server import Server
+    from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
+    if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
+        from dsv4.engine.ranks import serve_node
+
+        log.info("node %d of %d: joining rank 0 at %s:%s", config.node_rank, config.nnodes, config.master_addr,
+                 config.master_port)
+        return serve_node(config)
     os.umask(0o077)  # the socket file is private from the moment it is bound
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():
@@ -186,6 +192,9 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         for line in config.banner_lines():
             log.info("%s", line)
         log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
+        if len(getattr(engine, "rank_weight_bytes", ())) > 1:
+            log.info("weights per rank: %s", ", ".join(f"rank {r} {human_bytes(b)}"
+                                                        for r, b in enumerate(engine.rank_weight_bytes)))
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
         soft, hard = raise_fd_limit()
@@ -212,6 +221,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
             close = getattr(engine, "close", None)
             if close is not None:
                 close()  # flushes --profile traces
+        if reason == RANK_FAILURE:
+            return EXIT_ERROR
         return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_OK
     except KeyboardInterrupt as e:
         log.info("interrupted (%s) before serving", e.args[0] if e.args else "SIGINT")

@@ -54,6 +54,9 @@ MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all cl
 log = logging.getLogger("dsv4.daemon")
 
 
+RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits non-zero
+
+
 class Server(Admission):
     """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
 
@@ -268,6 +271,8 @@ class Server(Admission):
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed; failing the requests in flight")
             self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
+            if getattr(self.engine, "ranks", None) is not None:  # a broken tensor-parallel group cannot go on
+                self.stop_reason = RANK_FAILURE
             return
         for out in outputs:
             live = self._live.get(out.request_id)

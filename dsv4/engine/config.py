@@ -63,6 +63,12 @@ class EngineConfig:
     profile_dir: str | None = None
     threads: int | None = None  # torch CPU threads; None = default_threads()
     quantization: str | None = None
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    rendezvous_timeout: float = 60.0
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -97,6 +103,8 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
+        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device, self.nnodes)
+        _check_hosts(self)
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
@@ -200,7 +208,9 @@ class EngineConfig:
     def banner_lines(self) -> list[str]:
         """What the startup banner states (docs/serving.md section 2)."""
         return [
-            f"device {self.device}, dtype {self.dtype}, weights "
+            f"device {self.device}"
+            + (f" x {self.tensor_parallel_size} ranks (tensor parallel)" if self.tensor_parallel_size > 1 else "")
+            + f", dtype {self.dtype}, weights "
             + ("w8a8 (int8 weights per row, int8 activations per token)" if self.quantization == "w8a8"
                else "unquantised"),
             f"model prefill limit {self.model_config.prefill_limit}, "
@@ -257,6 +267,51 @@ def generation_defaults(model_dir: Path) -> dict:
 
 
 # ---------------------------------------------------------------------- checks
+def _check_hosts(c: "EngineConfig") -> None:
+    """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
+    _check_int("--nnodes", c.nnodes, minimum=1)
+    _check_int("--node-rank", c.node_rank, minimum=0)
+    if c.node_rank >= c.nnodes:
+        raise EngineConfigError(f"--node-rank {c.node_rank} is out of range for --nnodes {c.nnodes} "
+                                f"(use 0..{c.nnodes - 1})")
+    if c.tensor_parallel_size % c.nnodes:
+        raise EngineConfigError(f"--tensor-parallel-size {c.tensor_parallel_size} is not a multiple of "
+                                f"--nnodes {c.nnodes} (each host runs the same number of ranks)")
+    if c.nnodes > 1 and (c.master_addr is None or c.master_port is None):
+        raise EngineConfigError(f"--nnodes {c.nnodes} needs --master-addr and --master-port "
+                                f"(the host of node rank 0 and a free port there)")
+    if c.master_port is not None:
+        _check_int("--master-port", c.master_port, minimum=1)
+        if c.master_port > 65535:
+            raise EngineConfigError(f"--master-port {c.master_port} is not a TCP port (1..65535)")
+    if not isinstance(c.rendezvous_timeout, (int, float)) or c.rendezvous_timeout <= 0:
+        raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
+                                f"got {c.rendezvous_timeout!r}")
+
+
+def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1) -> None:
+    """--tensor-parallel-size: divides every split dimension; one device per rank of a host."""
+    from dsv4.model.parallel import ParallelError, check_sizes
+
+    _check_int("--tensor-parallel-size", T, minimum=1)
+    try:
+        check_sizes(mc, T)
+    except ParallelError as e:
+        raise EngineConfigError(str(e)) from None
+    kind, sep, _ = device.partition(":")
+    if T > 1 and sep:
+        raise EngineConfigError(f"--tensor-parallel-size {T} gives rank r device {kind}:r; "
+                                f"use --device {kind} (not {device})")
+    if T > 1 and kind in ("cuda", "npu"):
+        import torch
+
+        n = getattr(torch, kind).device_count()
+        local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
+        if local > n:
+            raise EngineConfigError(f"--tensor-parallel-size {T} over --nnodes {nnodes} needs {local} {kind} "
+                                    f"devices on each host; {n} are visible")
+
+
 def _check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"

@@ -22,6 +22,7 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
+from .ranks import RankError, Ranks, gather_weight_bytes
 from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
@@ -95,9 +96,20 @@ class Engine:
         # refused before tokenizing (every token covers at most the longest vocabulary entry).
         self.max_text_bytes = (config.max_model_len * self.tokenizer.max_token_bytes
                                if self.tokenizer is not None else 0)
-        self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
-                                quantization=config.quantization, progress=progress)
-        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        T = config.tensor_parallel_size
+        if config.node_rank > 0:
+            raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
+                            f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")
+        self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
+        try:
+            self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
+                                    quantization=config.quantization, progress=progress, world=T)
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
+        self.weight_bytes = self.rank_weight_bytes[0]
         self.scheduler = Scheduler.from_config(config)
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
@@ -180,7 +192,14 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        results = self.runner.execute(plan.prefills, plan.decodes)
+        if self.ranks is not None:
+            self.ranks.check()
+        try:
+            results = self.runner.execute(plan.prefills, plan.decodes)
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
         if self.profiler is not None:
             self.profiler.step()
         now = time.monotonic()
@@ -236,7 +255,9 @@ class Engine:
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.config.quantization,
-            "weight_bytes": self.weight_bytes,
+            "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "rank_weight_bytes": self.rank_weight_bytes,
             "num_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,
@@ -247,7 +268,10 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Flush the profiler (if --profile is on)."""
+        """Flush the profiler (if --profile is on); stop the other ranks."""
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None

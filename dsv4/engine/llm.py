@@ -33,6 +33,16 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_options: Any):
         self.engine = Engine(EngineConfig.create(model=str(model or DEFAULT_MODEL), **engine_options))
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (if any) and flush the profiler."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def generate(self, prompts: str | Sequence[str] | Sequence[list[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, **prompt_options: Any
                  ) -> list[Completion]:

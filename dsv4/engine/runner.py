@@ -26,8 +26,10 @@ from typing import Callable
 import torch
 from torch.profiler import record_function
 
+from ..model import parallel
 from ..model.model import DeepseekV4
 from ..model.state import Batch
+from .ranks import plan_message
 from .request import Request
 from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
 
@@ -70,7 +72,9 @@ class Runner:
     def execute(self, prefills: list[tuple[Request, int, int]],
                 decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
-        last have none)."""
+        last have none). Under tensor parallelism rank 0 first sends the plan (`ranks`)."""
+        if parallel.world_size() > 1 and parallel.rank() == 0:
+            parallel.broadcast_object(plan_message(prefills, decodes, self.drafts))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         off = 0
@@ -99,7 +103,11 @@ class Runner:
         with record_function("dsv4.dispatch"):
             hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
         with record_function("dsv4.sample_verify"):
-            results = self._sample_verify(samples, logits)
+            # rank 0 samples; under tensor parallelism the other ranks take its choices
+            results = parallel.broadcast_object(self._sample_verify(samples, logits) if parallel.rank() == 0 else None)
+            for req, _, _, drafts in samples:  # rejected drafts leave the state
+                if drafts is not None:
+                    self.state.rollback(req.slot, req.num_computed_tokens + 1 + results[req.slot].num_accepted)
         with record_function("dsv4.mtp"):
             self._draft(want, hidden, results)
         return results
@@ -121,8 +129,6 @@ class Runner:
                 acc, toks = verify_greedy(top[lo:lo + n], drafts)
             else:
                 acc, toks = verify_sampled(p, drafts, None, gen)
-            start = req.num_computed_tokens
-            self.state.rollback(req.slot, start + 1 + acc)
             results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
         return results
 

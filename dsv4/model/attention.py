@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, WINDOW, ModelConfig
+from . import parallel
 from .compressor import Compressor, Indexer
 from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, project,
                      rms_unweighted)
@@ -72,6 +73,7 @@ class Attention(nn.Module):
         self.cfg, self.kind, self.ratio = cfg, kind, ratio
         H, hd = cfg.num_attention_heads, cfg.head_dim
         self.n_heads, self.head_dim = H, hd
+        self.n_groups = cfg.o_groups  # both divided by T under tensor parallelism
         self.wq_a = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.wq_b = Linear(cfg.q_lora_rank, H * hd)
@@ -219,10 +221,9 @@ class Attention(nn.Module):
 
     def _out(self, o: torch.Tensor, cis: torch.Tensor, batch: Batch, rope: RopeTable) -> torch.Tensor:
         """Inverse RoPE and the grouped low-rank output projection: [T, H, hd] -> [T, D]."""
-        cfg = self.cfg
         T = o.shape[0]
         # the conjugate rotations, resolved once per dispatch and table
         inv = batch.cached(("rope_inv", id(rope)), lambda: cis.conj().resolve_conj())
         o = apply_rope(o, inv, inplace=True)
-        o = self.wo_a.grouped(o.reshape(T, cfg.o_groups, -1))  # [T, G, O]
-        return self.wo_b(o.flatten(1))
+        o = self.wo_a.grouped(o.reshape(T, self.n_groups, -1))  # [T, G, O]
+        return parallel.all_reduce(self.wo_b(o.flatten(1)))  # row-parallel: each rank holds G/T groups

@@ -102,26 +102,45 @@ class Checkpoint:
         self.shapes = {n: _out_shape(k, self.entries[n].shape) for n, k in self.plan.items()}
         self.quantization = str(self.config.get(QUANTIZATION_KEY, "none"))
 
-    def tensors(self, device: Union[str, torch.device] = "cpu"
+    def tensors(self, device: Union[str, torch.device] = "cpu", layout: Any = None
                 ) -> Iterator[tuple[str, str, torch.Tensor, Optional[torch.Tensor]]]:
         """(name, kind, stored tensor, E8M0 scale for "fp8"/"fp4" else None), one at a time,
-        shard by shard, memory mapped: nothing is kept after the caller lets go of it."""
+        shard by shard, memory mapped: nothing is kept after the caller lets go of it.
+
+        With a `parallel.Layout`, only the tensors the rank holds, each read as its slice
+        (`get_slice`): an FP8 weight with the rows/columns of its 128x128 block scales; a
+        slice that cuts through blocks reads the covering blocks and comes back dequantised
+        and trimmed, as kind "plain" float32."""
         for file in sorted({e.file for e in self.entries.values()}):
-            names = [n for n, e in self.entries.items() if e.file == file and n in self.plan]
+            names = [n for n, e in self.entries.items() if e.file == file and n in self.plan
+                     and (layout is None or layout.holds(n))]
             with _open(file) as f:
                 for name in names:
                     kind = self.plan[name]
-                    raw = _get(f, file, name, self.entries[name].dtype).to(device)
+                    shard = layout.shard(name) if layout is not None else None
+                    entry = self.entries[name]
+                    part = shard.bounds(entry.shape[shard.dim]) if shard is not None else None
+                    dim = shard.dim if shard is not None else 0
+                    if kind == "fp8" and part is not None:  # whole 128-blocks around the slice
+                        a, b = part
+                        blk = quant.FP8_BLOCK
+                        part = (a // blk * blk, min(-(-b // blk) * blk, entry.shape[dim]))
+                    raw = _get(f, file, name, entry.dtype, dim, part).to(device)
                     scale = None
                     if kind in ("fp8", "fp4"):
                         sname = scale_name(name)
                         se = self.entries[sname]
+                        spart = (part[0] // quant.FP8_BLOCK, -(-part[1] // quant.FP8_BLOCK)) if part else None
                         if se.file == file:
-                            scale = _get(f, file, sname, se.dtype)
+                            scale = _get(f, file, sname, se.dtype, dim, spart)
                         else:
                             with _open(se.file) as g:
-                                scale = _get(g, se.file, sname, se.dtype)
+                                scale = _get(g, se.file, sname, se.dtype, dim, spart)
                         scale = scale.to(device)
+                    if kind == "fp8" and shard is not None and part != shard.bounds(entry.shape[dim]):
+                        a, b = shard.bounds(entry.shape[dim])
+                        raw = dequantize(kind, raw, scale, torch.float32).narrow(dim, a - part[0], b - a)
+                        kind, scale = "plain", None
                     yield name, kind, raw, scale
                     del raw, scale
 
@@ -284,12 +303,18 @@ def _plan(entries: Mapping[str, _Entry]) -> dict[str, str]:
     return plan
 
 
-def _get(f: Any, file: Path, name: str, dtype: str) -> torch.Tensor:
-    """One tensor from an open shard; E8M0 scales are returned as float8_e8m0fnu or uint8 bytes."""
+def _get(f: Any, file: Path, name: str, dtype: str, dim: int = 0,
+         part: Optional[tuple[int, int]] = None) -> torch.Tensor:
+    """One tensor from an open shard, or only its rows (dim 0) / columns (dim 1) [a, b) of
+    `part`; E8M0 scales are returned as float8_e8m0fnu or uint8 bytes."""
     try:
         if dtype == "F8_E8M0" and quant.E8M0 is None:
-            return _raw_bytes(file, name)
-        return f.get_tensor(name)
+            t = _raw_bytes(file, name)
+            return t if part is None else t.narrow(dim, part[0], part[1] - part[0]).clone()
+        if part is None:
+            return f.get_tensor(name)
+        a, b = part
+        return f.get_slice(name)[a:b] if dim == 0 else f.get_slice(name)[:, a:b]
     except CheckpointError:
         raise
     except Exception as e:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from . import parallel
 from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32
 from .state import Batch, flat_rows
 
@@ -99,6 +100,7 @@ class Indexer(nn.Module):
     def __init__(self, cfg: ModelConfig, ratio: int):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.head_scale = cfg.index_n_heads ** -0.5  # of all heads: n_heads is divided by T under TP
         self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim)
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
@@ -116,8 +118,8 @@ class Indexer(nn.Module):
             scores = torch.einsum("thd,ed->the", f32(q), f32(keys))
         dev = qr.device
         scores = scores.relu() * constant(self.head_dim ** -0.5, dev)
-        w = f32(head_w) * constant(self.n_heads ** -0.5, dev)  # [T, H]
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [T, E]
+        w = f32(head_w) * constant(self.head_scale, dev)  # [T, H]
+        scores = parallel.all_reduce((scores * w.unsqueeze(-1)).sum(dim=1))  # [T, E], summed over all heads
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, n_ent)
         top = scores.topk(k, dim=-1).indices  # [T, k]

@@ -20,6 +20,8 @@ Backends, picked by the device of x:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -31,18 +33,22 @@ class W8A8Error(RuntimeError):
     """The device has no int8 kernel for --quantization w8a8 (one line, names the flag)."""
 
 
-def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_tokens(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token symmetric int8: x [M, K] -> (q int8 [M, K], scale float32 [M, 1]),
-    q = round(x / scale), scale = amax(|x|) / 127 (round half to even)."""
+    q = round(x / scale), scale = amax(|x|) / 127 (round half to even). `amax` [M, 1]
+    given: the amax of the whole row when x is a tensor-parallel slice of it."""
     xf = x.float()
-    s = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY) / QMAX  # [M, 1]
+    if amax is None:
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+    s = amax.clamp_min(_TINY) / QMAX  # [M, 1]
     q = torch.round(xf / s).clamp_(-QMAX, QMAX).to(torch.int8)
     return q, s
 
 
-def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-row symmetric int8 of a float weight: [N, K] -> (int8 [N, K], float32 [N])."""
-    q, s = quantize_tokens(w)
+def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-row symmetric int8 of a float weight: [N, K] -> (int8 [N, K], float32 [N])
+    (`amax` [N]: of the whole rows, when w holds a slice of their columns)."""
+    q, s = quantize_tokens(w, None if amax is None else amax.unsqueeze(-1))
     return q, s.squeeze(-1)
 
 
@@ -60,15 +66,18 @@ def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(xq, wq.t())[:M, :N]
 
 
-def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+def w8a8_linear(x: torch.Tensor, wq: torch.Tensor, ws: torch.Tensor,
+                reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """x [..., K] (compute dtype) with int8 rows wq [N, K] and float32 row scales ws [N]
-    -> [..., N] in x's dtype."""
+    -> [..., N] in x's dtype. `reduce_amax` (row-parallel slices): the token amax [M, 1]
+    of the slice -> of the whole row, so every rank quantises as the unsplit linear does."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.device.type == "npu":
+    if x2.device.type == "npu" and reduce_amax is None:
         out = npu_w8a8_linear(x2, wq, ws)
     else:
-        xq, xs = quantize_tokens(x2)
+        amax = None if reduce_amax is None else reduce_amax(x2.float().abs().amax(dim=-1, keepdim=True))
+        xq, xs = quantize_tokens(x2, amax)
         out = int_mm(xq, wq).float() * xs * ws  # [M, N] float32
     return out.to(x.dtype).view(*lead, wq.shape[0])
 

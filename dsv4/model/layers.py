@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, YarnParams, yarn_inv_freq
+from . import parallel
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -48,6 +49,27 @@ class Linear(nn.Module):
         G = x.shape[1]
         w = self.weight.view(G, self.weight.shape[0] // G, -1)  # [G, O, in]
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [T, G, O]
+
+
+class Embedding(nn.Module):
+    """Token embedding whose parameter is named `weight`. Under tensor parallelism it
+    holds the vocabulary rows [vocab_start, vocab_start + rows) (`parallel.shard_model`):
+    other ids give zeros and the ranks' rows are summed."""
+
+    vocab_start = 0
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T] -> [T, D]."""
+        if parallel.world_size() == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        e = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return parallel.all_reduce(e)
 
 
 class FusedLinear:

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from . import kernels
+from . import kernels, parallel
 from .checkpoint import (Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .model import DeepseekV4
@@ -63,14 +63,16 @@ def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                quantization: str | None = None, progress: Callable[[int, int], None] | None = None,
-               fuse: bool = True, counts: RowCounts | None = None) -> DeepseekV4:
+               fuse: bool = True, counts: RowCounts | None = None, rank: int = 0, world: int = 1) -> DeepseekV4:
     """Load a checkpoint directory (config.json + *.safetensors, official names).
 
     `quantization`: "none" (weights in `dtype`), "w8a8" (see `w8a8.py`), or None = as the
     checkpoint is stored ("none" for official checkpoints). `fuse` (default) fuses
     linears that read the same input for inference (`DeepseekV4.fuse_projections`): move
     or train the model afterwards only without it. `counts`, if given, receives how the
-    FP4 rows converted to int8 (exactly or by rounding)."""
+    FP4 rows converted to int8 (exactly or by rounding). With `world` > 1 the model is
+    rank `rank`'s part of the tensor-parallel layout (`parallel.shard_model`) and only
+    that part is read from the files; the collectives need `parallel.init` first."""
     cfg = ModelConfig.from_dir(path)
     ck = Checkpoint(path)
     quantization = resolve_quantization(quantization, ck.quantization, str(path))
@@ -85,14 +87,15 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = DeepseekV4(cfg, with_mtp=with_mtp)
     if quantization == "w8a8":
         to_w8a8(model)
+    layout = parallel.shard_model(model, rank, world) if world > 1 else None
     _set_dtypes(model, dtype)
     sd = model.state_dict()
-    check_tensors(_produced_shapes(ck, model), {k: tuple(v.shape) for k, v in sd.items()})
+    check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
     try:
         model.to_empty(device=dev)
         if fuse:
             model.fuse_projections()
-        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts())
+        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout)
     except (RuntimeError, MemoryError, CheckpointError) as e:
         if "allocate memory" not in str(e) and "out of memory" not in str(e).lower():
             raise
@@ -120,14 +123,23 @@ def _set_dtypes(model: DeepseekV4, dtype: torch.dtype) -> None:
                 t.data = t.data.to(want)
 
 
-def _produced_shapes(ck: Checkpoint, model: DeepseekV4) -> dict[str, tuple[int, ...]]:
-    """Names and shapes the streamed checkpoint will fill: a float weight converted at
-    load time also fills its int8 linear's `scale`."""
+def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: parallel.Layout | None = None
+                     ) -> dict[str, tuple[int, ...]]:
+    """Names and shapes the streamed checkpoint will fill (only this rank's slices under
+    a `layout`): a float weight converted at load time also fills its int8 linear's `scale`."""
     quantized = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     shapes = dict(ck.shapes)
+    if layout is not None:
+        shapes = {n: s for n, s in shapes.items() if layout.holds(n)}
+        for n, s in shapes.items():
+            if (sh := layout.shard(n)) is not None:
+                a, b = sh.bounds(s[sh.dim])
+                shapes[n] = s[:sh.dim] + (b - a,) + s[sh.dim + 1:]
     for name, kind in ck.plan.items():
+        if name not in shapes:
+            continue
         if kind != "int8" and name in quantized:
-            shapes[scale_name(name)] = ck.shapes[name][:1]
+            shapes[scale_name(name)] = shapes[name][:1]
         if kind == "int8" and name not in quantized:
             raise CheckpointError(f"tensor {name!r} is stored as int8 rows, but the model expects a float weight there")
     return shapes
@@ -135,18 +147,23 @@ def _produced_shapes(ck: Checkpoint, model: DeepseekV4) -> dict[str, tuple[int, 
 
 @torch.no_grad()
 def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
-                 progress: Callable[[int, int], None] | None, counts: RowCounts) -> None:
-    """Read every tensor once, convert it, copy it into the model's storage (fused views included)."""
+                 progress: Callable[[int, int], None] | None, counts: RowCounts,
+                 layout: parallel.Layout | None = None) -> None:
+    """Read every tensor (or this rank's slice of it) once, convert it, copy it into the
+    model's storage (fused views included)."""
     dest = model.state_dict()  # detached views of the model's own storage
-    for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev)):
+    total = len(ck.plan) if layout is None else sum(layout.holds(n) for n in ck.plan)
+    for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev, layout)):
         target = dest[name]
         if target.dtype == torch.int8 and kind != "int8":  # convert to int8 rows while loading
             if kind == "fp4":
                 q, s = from_fp4(raw, scale, counts)
-            elif kind == "fp8":
-                q, s = from_float(dequantize(kind, raw, scale, torch.float32))
             else:
-                q, s = from_float(raw.float())
+                w = dequantize(kind, raw, scale, torch.float32) if kind == "fp8" else raw.float()
+                sh = layout.shard(name) if layout is not None else None
+                # a slice of the rows' columns (row-parallel): the scale of the whole rows
+                amax = parallel.all_reduce_max(w.abs().amax(dim=-1)) if sh is not None and sh.dim == 1 else None
+                q, s = from_float(w, amax)
             target.copy_(q)
             dest[scale_name(name)].copy_(s)
         elif kind in ("fp8", "fp4"):
@@ -156,7 +173,7 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
         _check_finite(name, ck, dest)
         del raw, scale
         if progress is not None:
-            progress(i + 1, len(ck.plan))
+            progress(i + 1, total)
 
 
 def _check_finite(name: str, ck: Checkpoint, dest: dict[str, torch.Tensor]) -> None:

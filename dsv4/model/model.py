@@ -24,7 +24,8 @@ from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
-from .layers import HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
+from . import parallel
+from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
 from .moe import Expert, MoE
 from .state import Batch, LayerState, ModelState
 
@@ -74,7 +75,7 @@ class DeepseekV4(nn.Module):
         super().__init__()
         self.cfg = cfg
         D = cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, D)
+        self.embed = Embedding(cfg.vocab_size, D)  # by vocabulary under TP, like the head
         self.layers = nn.ModuleList(
             Block(cfg, k, r, cfg.is_hash_layer(i))
             for i, (k, r) in enumerate(zip(cfg.layer_kinds, cfg.compress_ratios))
@@ -122,7 +123,7 @@ class DeepseekV4(nn.Module):
     def _logits(self, h: torch.Tensor, fn, base, scale, norm: RMSNorm) -> torch.Tensor:
         """[N, hc, D] streams -> [N, vocab] float32 logits."""
         y = norm(hc_head(h, fn, base, scale, self.cfg))
-        return f32(linear(y, self.head.weight))
+        return parallel.all_gather(f32(linear(y, self.head.weight)))  # each rank's vocabulary slice
 
     # ---------------------------------------------------------------- stateful
     def forward_batch(self, batch: Batch, state: ModelState | None,

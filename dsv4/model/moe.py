@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from . import parallel
 from .layers import FusedLinear, Linear, cast, constant, f32, linear, project
 
 
@@ -74,19 +75,24 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = (Expert(cfg.hidden_size, inter * cfg.n_shared_experts, cfg.swiglu_limit)
                                if cfg.n_shared_experts else None)
+        self.local = range(cfg.n_routed_experts)  # the experts this rank holds (parallel.shard_model)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]: the shared expert, plus each routed expert's
-        share added in increasing expert order (the same order for one token or many)."""
+        share added in increasing expert order (the same order for one token or many).
+        Under expert parallelism each rank adds its own experts' shares (rank 0 also the
+        shared expert's) and the ranks' sums are added."""
         weights, idx = self.gate(x, ids)
+        local = self.local
         if self.shared_experts is not None:
             out = f32(self.shared_experts(x))  # [T, D] float32, fresh: the accumulator
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if x.shape[0] == 1:  # decode of one token: no grouping needed
             for j, e in sorted(enumerate(idx[0].tolist()), key=lambda je: je[1]):
-                out = out + f32(self.experts[e](x, weights[:, j]))
-            return cast(out, x.dtype)
+                if e in local:
+                    out = out + f32(self.experts[e](x, weights[:, j]))
+            return cast(parallel.all_reduce(out), x.dtype)
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -94,8 +100,8 @@ class MoE(nn.Module):
         wsorted = weights.flatten()[order]
         start = 0
         for e, c in enumerate(counts):
-            if c:
+            if c and e in local:
                 t = tok[start:start + c]
                 out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
-                start += c
-        return cast(out, x.dtype)
+            start += c
+        return cast(parallel.all_reduce(out), x.dtype)

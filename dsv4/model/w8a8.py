@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kernels
+from . import kernels, parallel
 from .layers import Linear
 from .quant import FP4_VALUES, e8m0_bytes
 
@@ -39,7 +39,12 @@ def is_quantized(module_name: str) -> bool:
 
 class QuantLinear(nn.Module):
     """int8 `weight` [out, in] and float32 `scale` [out] (buffers, saved as ``X.weight`` /
-    ``X.scale``); forward quantises x per token and multiplies exactly (`kernels`)."""
+    ``X.scale``); forward quantises x per token and multiplies exactly (`kernels`).
+    A row-parallel slice (`row_parallel`, set by `parallel.shard_model`) quantises each
+    token with the amax of its whole row, so the ranks' int32 partial sums add up to the
+    unsplit product's."""
+
+    row_parallel = False
 
     def __init__(self, n_in: int, n_out: int, device: torch.device | str | None = None):
         super().__init__()
@@ -52,7 +57,7 @@ class QuantLinear(nn.Module):
         return kernels.w8a8_linear(x, weight, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.w8a8_linear(x, self.weight, self.scale)
+        return kernels.w8a8_linear(x, self.weight, self.scale, parallel.all_reduce_max if self.row_parallel else None)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in] -> [T, G, out / G], group g with its own rows (see `Linear.grouped`).
@@ -96,9 +101,10 @@ class RowCounts:
         return f"{self.exact} of {total} FP4 rows exact, {self.rounded} rounded" if total else "no FP4 rows"
 
 
-def from_float(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] float -> (int8 [out, in], float32 [out]): per-row amax / 127, round to nearest even."""
-    return kernels.quantize_rows(w.detach())
+def from_float(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float -> (int8 [out, in], float32 [out]): per-row amax / 127, round to nearest even
+    (`amax` [out]: of the whole rows, when w is a slice of their columns)."""
+    return kernels.quantize_rows(w.detach(), amax)
 
 
 FP4_SPAN = 3  # 12 * 2^3 = 96 <= 127: doubled e2m1 codes times 2^span still fit in int8

@@ -1,0 +1,237 @@
+"""Ranks 1..T-1 of one host under tensor parallelism, and what they run.
+
+Rank 0 (the daemon, `run --local`, `LLM`) owns the scheduler. `Ranks.start(config)`
+spawns the other ranks (`torch.multiprocessing` spawn context; rank r on device r with
+`--device cuda`/`npu`, on CPU T processes over gloo) and joins the group itself. Every
+step, `Runner.execute` on rank 0 broadcasts the plan (`plan_message`: rows, prompts
+when a request starts, decode tokens with their drafts); each other rank rebuilds it
+on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
+and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
+
+Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each host
+runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
+(scheduler, client socket), the others run `serve_node` and bind nothing.
+
+Failure: a rank that dies makes the next collective fail on the others (gloo: the
+connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
+liveness before each step (`check`), and each worker exits when its pipe from rank 0
+closes (rank 0 gone). `close` sends the stop message, then terminates what is left.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import threading
+import traceback
+from typing import Any
+
+import torch
+
+from ..model import parallel
+from .request import Request
+from .sampling import SamplingParams
+
+BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+class RankError(RuntimeError):
+    """A rank of the tensor-parallel group died or could not start (one line)."""
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: cuda:r / npu:r for an accelerator, cpu otherwise."""
+    kind = device.partition(":")[0]
+    return kind if kind == "cpu" else f"{kind}:{rank}"
+
+
+def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
+                 drafts: dict[int, list[int]]) -> tuple[list, list]:
+    """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row."""
+    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
+            [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
+             for r, n in decodes])
+
+
+def follow(runner: Any) -> None:
+    """A worker's loop: run every step rank 0 broadcasts, until the stop message (None)."""
+    shadows: dict[int, Request] = {}
+    while True:
+        msg = parallel.broadcast_object(None)
+        if msg is None:
+            return
+        pre, dec = msg
+        prefills, decodes = [], []
+        for slot, start, n, prompt, k in pre:
+            if prompt is not None:
+                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
+            shadows[slot].num_spec = k
+            prefills.append((shadows[slot], start, n))
+        for slot, n, computed, last, k, drafts in dec:
+            req = shadows[slot]
+            req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
+            runner.drafts[slot] = list(drafts)
+            decodes.append((req, n))
+        runner.execute(prefills, decodes)
+
+
+def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
+    """Every rank's resident weight bytes, in rank order (a collective: all ranks call it once after loading)."""
+    mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    dev = next(iter(model.state_dict().values())).device
+    return [int(b) for b in parallel.all_gather(torch.tensor([mine], dtype=torch.float64, device=dev)).tolist()]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _exit_when_closed(pipe: Any) -> None:
+    """Block on the pipe from rank 0; when it closes (rank 0 gone), leave at once."""
+    try:
+        pipe.recv()
+    except (EOFError, OSError):
+        pass
+    os._exit(3)
+
+
+def _local_device(config: Any, rank: int) -> str:
+    """Rank `rank`'s device on its host (device index = its place among the host's ranks);
+    made current, or on CPU the host's cores shared among its ranks."""
+    per_host = config.tensor_parallel_size // config.nnodes
+    dev = rank_device(config.device, rank % per_host)
+    if dev != "cpu":
+        getattr(torch, dev.partition(":")[0]).set_device(dev)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+    return dev
+
+
+def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
+    parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
+                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout)
+
+
+def _follow_rank(rank: int, config: Any, dev: str) -> None:
+    """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
+    from ..model.loader import load_model
+    from .runner import Runner
+
+    model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
+                       rank=rank, world=config.tensor_parallel_size)
+    gather_weight_bytes(model)
+    follow(Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                  max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                  device=torch.device(dev)))
+
+
+def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:
+    """Entry point of a spawned rank: join the group, load its shard, follow rank 0."""
+    threading.Thread(target=_exit_when_closed, args=(pipe,), daemon=True).start()
+    try:
+        dev = _local_device(config, rank)
+        _join(rank, config, addr, port, dev)
+        _follow_rank(rank, config, dev)
+        parallel.close()
+    except BaseException:
+        if os.environ.get("DSV4_DEBUG"):
+            traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def serve_node(config: Any) -> int:
+    """`dsv4 serve --node-rank R` (R > 0): this host's ranks join rank 0's group and run its
+    steps until rank 0 stops (exit 0) or the group fails (`RankError`). Binds no socket."""
+    ranks = Ranks(config)
+    try:
+        _follow_rank(ranks.first, config, ranks.device)
+    except Exception as e:
+        raise ranks.failure(e) from None
+    finally:
+        ranks.close()
+    return 0
+
+
+class Ranks:
+    """A host's handle on its other ranks: this process is the host's first rank (rank 0
+    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each)."""
+
+    def __init__(self, config: Any):
+        T, N = config.tensor_parallel_size, config.nnodes
+        per_host = T // N
+        self.first = config.node_rank * per_host
+        addr = config.master_addr or "127.0.0.1"
+        port = config.master_port or _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs, self.pipes = [], []
+        for r in range(self.first + 1, self.first + per_host):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(r, config, addr, port, child), daemon=True,
+                            name=f"dsv4-rank{r}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.pipes.append(parent)
+        self.device = _local_device(config, self.first)
+        try:
+            _join(self.first, config, addr, port, self.device)
+        except Exception as e:
+            self.close()
+            if self.first > 0:
+                raise RankError(f"--nnodes {N}: rank 0 did not answer at --master-addr {addr} --master-port {port} "
+                                f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None
+            raise RankError(f"--tensor-parallel-size {T}: the other ranks did not join within "
+                            f"{config.rendezvous_timeout:g} s ({type(e).__name__})") from None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def check(self) -> None:
+        """Raise `RankError` if a worker has exited."""
+        for r, p in enumerate(self.procs, start=self.first + 1):
+            if not p.is_alive():
+                raise RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+
+    def failure(self, e: BaseException) -> RankError:
+        """The one-line error for a step that raised `e`: the rank that died (waiting up to
+        2 s for its sentinel), or the collective's own first line."""
+        from multiprocessing.connection import wait
+
+        ready = set(wait([p.sentinel for p in self.procs], timeout=2.0))
+        for r, p in enumerate(self.procs, start=self.first + 1):
+            # the sentinel (its pipe) closes a moment before the process can be reaped
+            if p.sentinel in ready or not p.is_alive():
+                p.join(5)
+                return RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return RankError(f"tensor-parallel step failed: {type(e).__name__}: {line}")
+
+    def close(self) -> None:
+        """Stop the workers: the stop message while all live, then terminate, then kill."""
+        try:
+            if parallel.world_size() > 1 and parallel.rank() == 0 and all(p.is_alive() for p in self.procs):
+                parallel.broadcast_object(None)
+        except Exception:  # noqa: BLE001  (a peer died meanwhile)
+            pass
+        for p in self.procs:
+            p.join(10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for pipe in self.pipes:
+            pipe.close()
+        try:
+            parallel.close()
+        except Exception:  # noqa: BLE001
+            pass

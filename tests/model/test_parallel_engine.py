@@ -1,0 +1,90 @@
+"""The engine at --tensor-parallel-size 2 (rank 0 here, rank 1 spawned, gloo on CPU):
+greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
+process token for token (none and w8a8); a killed rank fails the step and leaves no
+process behind; a size that does not divide the model is refused before loading."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.config import EngineConfig, EngineConfigError
+from dsv4.engine.ranks import RankError
+from tests.checkpoints import write_tiny_checkpoint
+
+GEN = 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp-engine")
+    write_tiny_checkpoint(d)
+    return d
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (5, 37, 70)]
+
+
+def _run(ckpt, T: int, K: int, quantization: str) -> list[list[int]]:
+    with LLM(ckpt, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3, max_model_len=128,
+             prefill_limit=16, quantization=quantization) as llm:
+        outs = llm.generate(_prompts(), SamplingParams(max_tokens=GEN, ignore_eos=True))
+    return [c.token_ids for c in outs]
+
+
+@pytest.mark.parametrize(("quantization", "K"), [("none", 1), ("none", 2), ("w8a8", 2)])
+def test_two_ranks_generate_what_one_does(ckpt, quantization, K):
+    threads = torch.get_num_threads()
+    try:
+        ref = _run(ckpt, 1, K, quantization)
+        assert all(len(r) == GEN for r in ref)
+        assert _run(ckpt, 2, K, quantization) == ref
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes (it holds no memory)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
+    threads = torch.get_num_threads()
+    llm = LLM(ckpt, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
+    try:
+        pids = llm.engine.ranks.pids
+        llm.engine.add_request(_prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
+        llm.engine.step()  # mid-request
+        os.kill(pids[0], signal.SIGKILL)
+        with pytest.raises(RankError, match=r"^tensor-parallel rank 1 \(pid \d+\) exited with code -9$"):
+            for _ in range(50):
+                llm.engine.step()
+    finally:
+        llm.close()
+        torch.set_num_threads(threads)
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_size_that_does_not_divide_is_refused(ckpt):
+    with pytest.raises(EngineConfigError, match=r"^--tensor-parallel-size 3 does not divide the model's attention "
+                                                r"heads \(4\)$"):
+        EngineConfig.create(str(ckpt), tensor_parallel_size=3)
+    with pytest.raises(EngineConfigError, match="^--tensor-parallel-size must be a positive integer, got 0$"):
+        EngineConfig.create(str(ckpt), tensor_parallel_size=0)
