@@ -15,7 +15,13 @@ ROWS: list[tuple[str, str, str | None, str]] = [  # label, key, sub-key, unit
     ("ITL p50", "itl_s", "p50", "ms"),
     ("output tok/s", "output_throughput_tok_s", None, ""), ("req/s", "request_throughput_req_s", None, ""),
     ("acceptance rate", "acceptance_rate", None, "%"), ("mean acceptance length", "mean_acceptance_length", None, ""),
+    ("K in use at the end", "num_speculative_tokens", None, "k"),
 ]
+
+
+def _k(cfg: dict[str, Any]) -> str:
+    k = cfg.get("num_speculative_tokens")
+    return f"auto, 0..{k}" if cfg.get("speculative_auto") else str(k)
 
 
 def _value(r: dict[str, Any], key: str, sub: str | None) -> Any:
@@ -38,7 +44,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
     console = console or Console(highlight=False)
     cfg = report["config"]
     console.print(f"dsv4 bench: {cfg['target']} {cfg.get('model')} ({cfg.get('device')}, {cfg.get('dtype')}, "
-                  f"K = {cfg.get('num_speculative_tokens')}); prompts: {cfg['prompt_source']}, "
+                  f"K = {_k(cfg)}); prompts: {cfg['prompt_source']}, "
                   f"{cfg['prompt_len']} tokens in, {cfg['gen_len']} out, EOS ignored, streaming; "
                   f"{cfg['num_prompts']} requests per run after {cfg['warmup']} warmup")
     results = report["results"]
@@ -57,6 +63,6 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             if both:
                 on, off = _value(arms["on"], key, sub), _value(arms["off"], key, sub)
                 ok = isinstance(on, (int, float)) and isinstance(off, (int, float)) and off and unit != "%"
-                row.append(f"{on / off:.2f}x" if ok and key != "requests" else "")
+                row.append(f"{on / off:.2f}x" if ok and key not in ("requests", "num_speculative_tokens") else "")
             table.add_row(*row)
         console.print(table)
