@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`--num-speculative-tokens auto` against every fixed K, as ratios within one run.
 
-    python benchmarks/auto_k.py [--rounds 2] [--prompts 8] [--gen 32] [--out runs/bench]
+    python benchmarks/auto_k.py [--rounds 2] [--prompts 8] [--gen 32] [--threads 1] [--out runs/bench]
 
 One engine per arm (auto, K = 0, 1, 2, 3; embedded model, max_num_seqs 8), built once.
 For each round, concurrency (1, 8) and prompt set (256-token windows of the held-out
@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
 
 import dsv4  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
@@ -54,7 +56,11 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--data", type=Path, default=ROOT.parent / "shared/data/shakespeare")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (default 1: on a shared machine, OpenMP barriers of 2 threads stall "
+                         "whenever another tenant holds a core)")
     a = ap.parse_args()
+    torch.set_num_threads(a.threads)
     model = dsv4.DEFAULT_MODEL
     tok = Tokenizer.from_dir(model)
     rng = random.Random(0)
@@ -81,7 +87,7 @@ def main() -> None:
                     print(f"round {r + 1} c={c} {name} K={arm}: {res['output_tok_s']:.1f} tok/s", flush=True)
     m = machine()
     lines = [f"Machine: {m['cpu']} ({m['cores']} threads), torch {m['torch']}, commit {m['commit']}, {m['date']}; "
-             f"best of {a.rounds} alternating rounds, {a.prompts} prompts x {a.gen} tokens", "",
+             f"best of {a.rounds} alternating rounds, {a.prompts} prompts x {a.gen} tokens, {a.threads} thread(s)", "",
              "| concurrency | prompts | auto | K = 0 | K = 1 | K = 2 | K = 3 | auto / best fixed | K auto chose |",
              "|---|---|---|---|---|---|---|---|---|"]
     out = []

@@ -121,6 +121,8 @@ def run_daemon(config: Any, endpoint: str) -> int:
             log.info("%s", line)
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
+        if engine.policy is not None:
+            log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
         server = Server(engine, endpoint, model_name=model_name)
         try:
             server.bind()

@@ -18,7 +18,7 @@ HELDOUT = Path(__file__).resolve().parents[3] / "shared/data/shakespeare/heldout
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_num_seqs=4, max_model_len=1024)
+    return LLM(max_num_seqs=4, max_model_len=1024, num_speculative_tokens=1)  # K = 1: these tests measure drafts
 
 
 def test_asset_loads_and_validates():
