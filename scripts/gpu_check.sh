@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared run for a lent NVIDIA machine (one call, a few minutes): the CUDA exactness
-# tests, then the benchmark suite on CUDA, logs and tables into OUT.
+# tests, the step-cost table on CUDA (the costs auto K weighs; eager: no CUDA-graph capture
+# exists yet, see BENCHMARKS.md), then the benchmark suite on CUDA, logs and tables into OUT.
 #
 #   bash scripts/gpu_check.sh OUT [DATA]
 #
@@ -22,6 +23,7 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name(0))" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
+python3 benchmarks/step_costs.py --device cuda --iters 100 2>&1 | tee "$OUT/step_costs.log"
 python3 benchmarks/run.py --device cuda --data "$DATA" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 # tensor parallelism at T = 1 on the one lent GPU (the collectives are no-ops; T = 2 needs two devices),
 # then the gloo T = 2 exactness tests on the host's CPUs

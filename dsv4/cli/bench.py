@@ -46,7 +46,7 @@ class _Record:
         drafted, accepted = int(spec.get("drafted") or 0), int(spec.get("accepted") or 0)
         steps = int(spec.get("verify_steps") or 0)
         return {"tokens": n, "ttft": ttft, "tpot": tpot, "e2e": e2e, "itl": itl, "drafted": drafted,
-                "accepted": accepted, "steps": steps}
+                "accepted": accepted, "steps": steps, "k": spec.get("num_speculative_tokens"), "done": self.done}
 
 
 class _DaemonBackend:
@@ -138,6 +138,8 @@ def _summarise(records: list[_Record], wall: float, concurrency: int, mtp: str,
         "drafted": drafted, "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / steps if steps else None,
+        # the K in use when the arm's last request finished (auto K: the policy's latest choice)
+        "num_speculative_tokens": max(ms, key=lambda m: m["done"] or 0.0)["k"] if ms else None,
     }
 
 
@@ -242,11 +244,14 @@ def bench(
                          "prefix_caching": False,
                          "target": "local" if local else (f"http {http}" if http else "daemon"),
                          "model": info.get("model"), "device": info.get("device"), "dtype": info.get("dtype"),
-                         "num_speculative_tokens": info.get("num_speculative_tokens")},
+                         "num_speculative_tokens": info.get("max_speculative_tokens",
+                                                            info.get("num_speculative_tokens")),
+                         "speculative_auto": bool(info.get("speculative_auto"))},
               "results": results, "comparison": _compare(results)}
     if "on" in arms and all(r["drafted"] == 0 for r in results if r["mtp"] == "on"):
-        O.err("dsv4 bench: warning: the MTP-on arm drafted nothing (is the daemon running with "
-              "--num-speculative-tokens 0?)")
+        O.err("dsv4 bench: warning: the MTP-on arm drafted nothing ("
+              + ("auto K chose 0 drafts throughout: speculation does not pay here)" if info.get("speculative_auto")
+                 else "is the daemon running with --num-speculative-tokens 0?)"))
     if json_file == "-":
         print(json.dumps(report, indent=2))
     else:

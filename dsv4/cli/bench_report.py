@@ -15,6 +15,7 @@ ROWS: list[tuple[str, str, str | None, str]] = [  # label, key, sub-key, unit
     ("ITL p50", "itl_s", "p50", "ms"),
     ("output tok/s", "output_throughput_tok_s", None, ""), ("req/s", "request_throughput_req_s", None, ""),
     ("acceptance rate", "acceptance_rate", None, "%"), ("mean acceptance length", "mean_acceptance_length", None, ""),
+    ("K in use at the end", "num_speculative_tokens", None, "k"),
 ]
 LOWER_IS_BETTER = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 MIN_REQUESTS = {"p90": 10, "p99": 100}  # fewer and the percentile is just one of the largest values
@@ -37,6 +38,11 @@ def verdict(report: dict[str, Any]) -> str | None:
     return "verdict: MTP on vs off: " + "; ".join(parts) if parts else None
 
 
+def _k(cfg: dict[str, Any]) -> str:
+    k = cfg.get("num_speculative_tokens")
+    return f"auto, 0..{k}" if cfg.get("speculative_auto") else str(k)
+
+
 def _value(r: dict[str, Any], key: str, sub: str | None) -> Any:
     v = r.get(key)
     return v.get(sub) if sub is not None and isinstance(v, dict) else v
@@ -57,7 +63,7 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
     console = console or Console(highlight=False)
     cfg = report["config"]
     console.print(f"dsv4 bench: {cfg['target']} {cfg.get('model')} ({cfg.get('device')}, {cfg.get('dtype')}, "
-                  f"K = {cfg.get('num_speculative_tokens')}); prompts: {cfg['prompt_source']}, "
+                  f"K = {_k(cfg)}); prompts: {cfg['prompt_source']}, "
                   f"{cfg['prompt_len']} tokens in, {cfg['gen_len']} out, EOS ignored, streaming; "
                   f"{cfg['num_prompts']} requests per run after {cfg['warmup']} warmup")
     results = report["results"]
@@ -82,8 +88,8 @@ def print_report(report: dict[str, Any], console: Console | None = None) -> None
             if both:
                 on, off = _value(arms["on"], key, sub), _value(arms["off"], key, sub)
                 ok = isinstance(on, (int, float)) and isinstance(off, (int, float)) and off and unit != "%"
-                row.append(f"{on / off:.2f}x" if ok and key != "requests" else "")
-                row.append(better(key) if key != "requests" else "")
+                row.append(f"{on / off:.2f}x" if ok and key not in ("requests", "num_speculative_tokens") else "")
+                row.append(better(key) if key not in ("requests", "num_speculative_tokens") else "")
             table.add_row(*row)
         console.print(table)
     line = verdict(report)

@@ -78,9 +78,10 @@ Chunked = Annotated[Optional[bool], typer.Option(
     "--enable-chunked-prefill/--no-enable-chunked-prefill", rich_help_panel=ENGINE_PANEL, show_default=False,
     help="Split long prompts into chunks of at most the prefill limit; off = each prompt in one dispatch "
          "[default: on]")]
-NumSpec = Annotated[Optional[int], typer.Option(
-    "--num-speculative-tokens", metavar="K", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
-    help="MTP drafts per decode step, 0 = off [default: 1 when the checkpoint has MTP weights, else 0]")]
+NumSpec = Annotated[Optional[str], typer.Option(
+    "--num-speculative-tokens", metavar="K", rich_help_panel=ENGINE_PANEL,
+    help="MTP drafts per decode step, 0 = off; auto = 0..3 chosen each step from measured step costs and "
+         "the acceptance rate [default: auto when the checkpoint has MTP weights, else 0]")]
 EngineSeed = Annotated[Optional[int], typer.Option(
     "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_SEED, help="Engine random seed [default: 0]")]
 Profile = Annotated[Optional[Path], typer.Option(

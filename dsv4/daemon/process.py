@@ -197,6 +197,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
                                                         for r, b in enumerate(engine.rank_weight_bytes)))
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
+        if engine.policy is not None:
+            log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
         soft, hard = raise_fd_limit()
         also = ()
         if http is not None:

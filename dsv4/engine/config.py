@@ -12,7 +12,9 @@ Defaults that depend on the checkpoint are resolved when the config is built, so
 fields of a built config always hold concrete values (except `profile_dir`):
 
 * `dtype` "auto" -> float32 on cpu, bfloat16 on cuda/npu;
-* `num_speculative_tokens` None -> 1 when the checkpoint has MTP weights, else 0;
+* `num_speculative_tokens` None or "auto" -> `speculative_auto` and K = the MTP depth (at most
+  3: the state is sized for it, a `SpecPolicy` picks 0..K each step) when the checkpoint has
+  MTP weights, else 0;
 * `prefill_limit` None -> the model's prefill limit (128 for DeepSeek V4);
 * `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
   prefill chunk fits beside a full batch of decode steps;
@@ -57,7 +59,8 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     long_prefill_token_threshold: int = 0
     enable_chunked_prefill: bool = True
-    num_speculative_tokens: int | None = None
+    num_speculative_tokens: int | str | None = None  # built: the largest K (auto: the K chosen from 0..it)
+    speculative_auto: bool | None = None  # built: K chosen per step (`num_speculative_tokens` "auto" or None)
     prefill_limit: int | None = None
     seed: int = 0
     profile_dir: str | None = None
@@ -111,9 +114,19 @@ class EngineConfig:
 
         # Speculative decoding.
         k = self.num_speculative_tokens
-        if k is None:
-            k = 1 if self.has_mtp else 0
-        _check_int("--num-speculative-tokens", k, minimum=0)
+        if isinstance(k, str) and k.strip().isdigit():
+            k = int(k)
+        auto = k is None or k == "auto"
+        if auto and self.tensor_parallel_size > 1:
+            # the ranks replay rank 0's plan with one K: a per-step K is not sent to them (yet)
+            if k == "auto":
+                raise EngineConfigError("--num-speculative-tokens auto does not work with --tensor-parallel-size "
+                                        f"{self.tensor_parallel_size} yet; give a number of drafts (0..3)")
+            auto, k = False, min(1, self.mtp_depth)  # the default before auto K
+        if auto:
+            k = self.mtp_depth  # 0 without MTP weights
+        set_("speculative_auto", bool(auto or self.speculative_auto) and self.has_mtp and k > 0)
+        _check_int("--num-speculative-tokens", k, minimum=0, hint="or auto")
         if k > MAX_SPECULATIVE_TOKENS:
             raise EngineConfigError(f"--num-speculative-tokens {k} is out of range; "
                                     f"use 0..{MAX_SPECULATIVE_TOKENS} (0 = off)")
@@ -139,6 +152,10 @@ class EngineConfig:
         if budget is None:
             budget = plimit + self.max_num_seqs * (1 + k)
         _check_int("--max-num-batched-tokens", budget, minimum=1)
+        if self.speculative_auto and budget < 1 + k:  # auto: at most the drafts the budget holds
+            k = budget - 1
+            set_("num_speculative_tokens", k)
+            set_("speculative_auto", k > 0)
         if budget < 1 + k:
             raise EngineConfigError(f"--max-num-batched-tokens {budget} is smaller than one decode step with "
                                     f"{k} speculative tokens (1 + K = {1 + k}); raise --max-num-batched-tokens "
@@ -216,7 +233,9 @@ class EngineConfig:
             f"model prefill limit {self.model_config.prefill_limit}, "
             f"effective prefill chunk size {self.effective_chunk_size}"
             + (" (single dispatch)" if self.single_dispatch else ""),
-            f"speculative tokens K = {self.num_speculative_tokens} (MTP weights: {'yes' if self.has_mtp else 'no'})",
+            (f"speculative tokens K = auto (0..{self.num_speculative_tokens}, chosen from measured step costs "
+             f"and acceptance)" if self.speculative_auto else f"speculative tokens K = {self.num_speculative_tokens}")
+            + f" (MTP weights: {'yes' if self.has_mtp else 'no'})",
             f"CPU threads {self.threads}; default sampling "
             + (", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()) + " (generation_config.json)"
                if self.sampling_defaults else "greedy (no generation_config.json)"),

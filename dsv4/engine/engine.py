@@ -27,6 +27,7 @@ from .request import Request, RequestError
 from .runner import Runner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .spec_policy import SpecPolicy
 from .stop import StopChecker
 from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, TokenizerMissing
 
@@ -111,9 +112,16 @@ class Engine:
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
         self.weight_bytes = self.rank_weight_bytes[0]
         self.scheduler = Scheduler.from_config(config)
+        # auto K: the policy picks 0..num_speculative_tokens per step, from costs timed now and while serving
+        self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                             device=self.device)
+                             device=self.device, policy=self.policy)
+        self.calibration_s = 0.0
+        if self.policy is not None:
+            t = time.perf_counter()
+            self.runner.calibrate()
+            self.calibration_s = time.perf_counter() - t
         self.metrics = EngineMetrics()
         self.profiler = _profiler(config)
         self.started = time.time()
@@ -189,17 +197,21 @@ class Engine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> list[RequestOutput]:
         t0 = time.monotonic()
+        t_step = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         if self.ranks is not None:
             self.ranks.check()
+        if self.policy is not None:  # the drafts this step makes, for the requests that will decode
+            self.runner.k_draft = self.policy.choose(sum(1 for r in self.scheduler.running if r.num_spec))
         try:
             results = self.runner.execute(plan.prefills, plan.decodes)
         except Exception as e:
             if self.ranks is None:
                 raise
             raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
+        self.scheduler.spec_limit = self.runner.k_draft  # the next step verifies what was drafted now
         if self.profiler is not None:
             self.profiler.step()
         now = time.monotonic()
@@ -212,10 +224,16 @@ class Engine:
                 outs.append(self._emit(req, toks, res.sources, now))
         for req, n in plan.decodes:
             res = results[req.slot]
+            if self.policy is not None and res.num_drafted:
+                self.policy.observe_verify(res.num_drafted, res.num_accepted)
             toks = self.scheduler.on_decode_done(req, res.tokens)
             if res.num_drafted:  # drafts cut at EOS/limits do not count
                 self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
             outs.append(self._emit(req, toks, res.sources, now))
+        if self.policy is not None:
+            if not plan.prefills:
+                timed = self.runner.timed
+                self.policy.observe_overhead(time.perf_counter() - t_step - timed["verify"] - timed["draft"])
         return [o for o in outs if o is not None]
 
     def _emit(self, req: Request, toks: list[int], sources: list[str], now: float) -> RequestOutput | None:
@@ -244,6 +262,9 @@ class Engine:
             self.metrics.add(track.metrics)
             out.finished, out.finish_reason = True, req.finish_reason
             out.metrics = track.metrics.to_dict()
+            # the K in use when it finished (auto: the latest choice; fixed: the configured K)
+            out.metrics["spec"].update(num_speculative_tokens=self.runner.k_draft if req.num_spec else 0,
+                                       speculative_auto=self.policy is not None and req.num_spec > 0)
             del self._tracks[req.request_id]
         return out
 
@@ -258,7 +279,9 @@ class Engine:
             "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "rank_weight_bytes": self.rank_weight_bytes,
-            "num_speculative_tokens": self.config.num_speculative_tokens,
+            "num_speculative_tokens": self.runner.k_draft,  # the K in use (auto: the latest choice)
+            "speculative_auto": self.policy is not None,
+            "max_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,
             "running": len(s.running),

@@ -14,12 +14,20 @@ One `execute(plan)` call runs a scheduler step:
    sampled token) completes it. Drafts written into the MTP cache past the
    committed pairs are rolled back before the next step.
 
+With `--num-speculative-tokens auto` a `SpecPolicy` sets `k_draft`, the drafts to make
+this step (0..K), and the runner times its dispatches for it. A request drafting 0
+tokens skips the MTP: its pairs wait in a backlog (the last `sliding_window` of them;
+the MTP block is window-only, so older ones are never read again), and the MTP catches
+up over the backlog the next time the request drafts, which gives the same drafts as if
+it had never stopped (tested).
+
 The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
-the current drafts. The scheduler owns lengths and token lists.
+the current drafts and the MTP backlog. The scheduler owns lengths and token lists.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +40,7 @@ from ..model.state import Batch
 from .ranks import plan_message
 from .request import Request
 from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
+from .spec_policy import SpecPolicy
 
 
 @dataclass
@@ -48,8 +57,12 @@ class Runner:
     """Runs planned steps on a `DeepseekV4` with slot state for `max_num_seqs` requests."""
 
     def __init__(self, model: DeepseekV4, *, max_num_seqs: int, max_model_len: int, max_chunk: int,
-                 num_spec: int, device: torch.device):
+                 num_spec: int, device: torch.device, policy: SpecPolicy | None = None):
         self.model, self.device, self.num_spec = model, device, num_spec
+        self.policy = policy  # auto K: times the dispatches for it
+        self.k_draft = num_spec  # drafts to make this step (auto: set by the engine before each step)
+        self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> (t0, h rows, x_{t+1})
+        self.timed = {"verify": 0.0, "draft": 0.0}  # seconds spent in this step's dispatches (auto)
         self.state = model.new_state(max_num_seqs, max_model_len + num_spec + 1,
                                      max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1)
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
@@ -65,7 +78,37 @@ class Runner:
         self.state.free(slot)
         self.pending.pop(slot, None)
         self.drafts.pop(slot, None)
+        self.backlog.pop(slot, None)
         self.generators[slot] = make_generator(req.params.seed, self.device)
+
+    @torch.inference_mode()
+    def calibrate(self, repeats: int = 2) -> None:
+        """For auto K, before any request: time decode-shaped dispatches of the main model and
+        the MTP (1 row of 1, 2 and 1 + K tokens, max_num_seqs rows of 1 and 1 + K tokens),
+        best of `repeats` after a warm-up, into the policy's cost tables (running steps
+        refine them). The slots used are freed again."""
+        pol, S, K = self.policy, self.state.max_slots, self.num_spec
+        shapes = sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)})
+        for b, n in shapes:
+            rows = [(s, 0, [0] * n) for s in range(b)]
+            last = torch.arange(n - 1, b * n, n, device=self.device)  # the row each request drafts from
+            best_v = best_d = float("inf")
+            for rep in range(repeats + 1):  # the first run of a shape warms up
+                for s in range(b):
+                    self.state.free(s)
+                t = time.perf_counter()
+                hidden, logits = self.model.forward_batch(Batch.build(rows, self.device), self.state)
+                logits.argmax(dim=-1).tolist()
+                t_draft = time.perf_counter()
+                if self.model.has_mtp:
+                    _, lg = self.model.mtp_forward(Batch.build(rows, self.device), hidden, self.state, last)
+                    lg.argmax(dim=-1).tolist()
+                if rep:
+                    best_v, best_d = min(best_v, t_draft - t), min(best_d, time.perf_counter() - t_draft)
+            pol.verify.observe(b * n, best_v)
+            pol.draft.observe(b * n, best_d)
+        for s in range(S):
+            self.state.free(s)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -89,8 +132,10 @@ class Runner:
             off += n
         for req, n in decodes:
             toks = [req.last_token_id] + self.drafts.get(req.slot, [])[: n - 1]
-            if len(toks) != n:
+            if len(toks) != n and not (self.policy is not None and 1 <= len(toks) < n):
+                # auto K: a request skipped by the last steps holds drafts of an earlier, smaller K
                 raise RuntimeError(f"{req!r}: {n} tokens scheduled, {len(toks) - 1} drafts available")
+            n = len(toks)
             rows.append((req.slot, req.num_computed_tokens, toks))
             want.append(("decode", req, req.num_computed_tokens, off, n))
             samples.append((req, len(idx), n, toks[1:]))
@@ -98,6 +143,7 @@ class Runner:
             off += n
         if not rows:
             return {}
+        t = time.perf_counter()
         batch = Batch.build(rows, self.device)
         logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
@@ -108,8 +154,13 @@ class Runner:
             for req, _, _, drafts in samples:  # rejected drafts leave the state
                 if drafts is not None:
                     self.state.rollback(req.slot, req.num_computed_tokens + 1 + results[req.slot].num_accepted)
+        t_draft = time.perf_counter()
         with record_function("dsv4.mtp"):
-            self._draft(want, hidden, results)
+            self._draft(want, hidden, results, timed=self.policy is not None and not prefills)
+        if self.policy is not None:
+            self.timed = {"verify": t_draft - t, "draft": time.perf_counter() - t_draft}
+            if not prefills:  # a pure decode step: its cost by token count
+                self.policy.verify.observe(off, t_draft - t)
         return results
 
     def _sample_verify(self, samples, logits: torch.Tensor) -> dict[int, StepResult]:
@@ -152,7 +203,53 @@ class Runner:
                                t([p.min_p for p in ps], torch.float32))
 
     # ------------------------------------------------------------------ MTP
-    def _draft(self, want, hidden: torch.Tensor, results: dict[int, StepResult]) -> None:
+    def _depth(self, req: Request) -> int:
+        """Drafts `req` makes this step."""
+        return min(req.num_spec, self.k_draft)
+
+    def _mtp(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None, timed: bool):
+        """One MTP dispatch -> (z [T, hc, D], argmax draft per head row); timed for auto K."""
+        t = time.perf_counter()
+        z, logits = self.model.mtp_forward(batch, hid, self.state, head_idx)
+        top = logits.argmax(dim=-1).tolist()
+        if timed and self.policy is not None:
+            self.policy.draft.observe(len(batch.input_ids), time.perf_counter() - t)
+        return z, top
+
+    def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
+        """Keep pairs (h_t, x_{t+1}) from t0 on for a later catch-up instead of running the MTP;
+        only the last `sliding_window` pairs are kept (older ones are never read again)."""
+        if slot in self.backlog:
+            b0, bh, bt = self.backlog[slot]
+            hs, nxt = bh + hs, bt + nxt
+            assert b0 + len(bt) == t0, "the MTP backlog must be contiguous"
+            t0 = b0
+        excess = len(nxt) - self.model.cfg.sliding_window
+        if excess > 0:
+            t0, nxt = t0 + excess, nxt[excess:]
+            while excess > 0:
+                if len(hs[0]) <= excess:
+                    excess -= len(hs.pop(0))
+                else:
+                    hs[0], excess = hs[0][excess:], 0
+        self.backlog[slot] = (t0, hs, nxt)
+
+    def _catch_up(self, slot: int, t0: int) -> None:
+        """Run the MTP over the backlog of `slot`, so that its cache holds every pair before t0."""
+        b0, hs, toks = self.backlog.pop(slot)
+        assert b0 + len(toks) == t0, "the MTP backlog must end where this step's pairs start"
+        if b0 < self.state.mtp_lengths[slot]:
+            self.state.rollback(slot, self.state.lengths[slot], mtp_length=b0)
+        else:
+            self.state.skip_mtp(slot, b0)  # the pairs before b0 are out of every later window
+        h = torch.cat(hs)
+        step = self.state.max_chunk
+        for lo in range(0, len(toks), step):
+            piece = toks[lo:lo + step]
+            self.model.mtp_forward(Batch.build([(slot, b0 + lo, piece)], self.device), h[lo:lo + len(piece)],
+                                   self.state, torch.zeros(0, dtype=torch.long, device=self.device))
+
+    def _draft(self, want, hidden: torch.Tensor, results: dict[int, StepResult], timed: bool = False) -> None:
         """Run the MTP over the pairs this step completed and propose the next drafts."""
         if self.num_spec == 0 or not self.model.has_mtp:
             return
@@ -182,6 +279,13 @@ class Runner:
                 nxt = res.tokens[: acc + 1]
             if not nxt:
                 continue
+            if self._depth(req) == 0:  # no drafts this step: the MTP waits
+                self._defer(slot, t0, pairs_h, nxt)
+                if res is not None:
+                    self.drafts[slot] = []
+                continue
+            if slot in self.backlog:
+                self._catch_up(slot, t0)
             self.state.rollback(slot, self.state.lengths[slot], mtp_length=t0)
             rows.append((slot, t0, nxt))
             hs.extend(pairs_h)
@@ -193,18 +297,18 @@ class Runner:
         batch = Batch.build(rows, self.device)
         hid = torch.cat(hs)
         head_idx = torch.tensor([i for _, i in heads], dtype=torch.long, device=self.device)
-        z, logits = self.model.mtp_forward(batch, hid, self.state, head_idx)
-        drafts = {req.slot: [int(t)] for (req, _), t in zip(heads, logits.argmax(dim=-1).tolist())}
+        z, top = self._mtp(batch, hid, head_idx, timed)
+        drafts = {req.slot: [int(t)] for (req, _), t in zip(heads, top)}
         z_last = z[head_idx]  # [R, hc, D]
         committed = {req.slot: self.state.mtp_lengths[req.slot] for req, _ in heads}
         for depth in range(1, self.num_spec):
-            deeper = [(i, req) for i, (req, _) in enumerate(heads) if req.num_spec > depth]
+            deeper = [(i, req) for i, (req, _) in enumerate(heads) if self._depth(req) > depth]
             if not deeper:
                 break
             rows = [(req.slot, self.state.mtp_lengths[req.slot], [drafts[req.slot][-1]]) for _, req in deeper]
             sel = torch.tensor([i for i, _ in deeper], dtype=torch.long, device=self.device)
-            z_next, lg = self.model.mtp_forward(Batch.build(rows, self.device), z_last[sel], self.state)
-            for (i, req), t in zip(deeper, lg.argmax(dim=-1).tolist()):
+            z_next, top = self._mtp(Batch.build(rows, self.device), z_last[sel], None, timed)
+            for (i, req), t in zip(deeper, top):
                 drafts[req.slot].append(int(t))
             z_last[sel] = z_next
         for req, _ in heads:  # speculative rows beyond the committed pairs are forgotten
@@ -213,4 +317,3 @@ class Runner:
             if self.draft_override is not None:
                 d = self.draft_override(req, req.output_ids + results[req.slot].tokens, d)
             self.drafts[req.slot] = d
-

@@ -101,6 +101,7 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.single_dispatch = single_dispatch
         self.num_spec = num_speculative_tokens
+        self.spec_limit = num_speculative_tokens  # auto K: the drafts the runner made last step (<= num_spec)
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
 
@@ -254,13 +255,14 @@ class Scheduler:
         return budget
 
     def draft_room(self, req: Request) -> int:
-        """Most drafts `req` may take now: K, and never past max_model_len or max_tokens.
+        """Most drafts `req` may take now: K (at most `spec_limit`, the drafts auto K had the
+        runner make), and never past max_model_len or max_tokens.
 
         A step with d drafts emits up to d + 1 tokens, so d <= room - 1 for both limits.
         """
         room_len = self.max_model_len - req.num_tokens - 1
         room_out = req.params.max_tokens - len(req.output_ids) - 1
-        return max(0, min(req.num_spec, room_len, room_out))
+        return max(0, min(req.num_spec, self.spec_limit, room_len, room_out))
 
     # ------------------------------------------------------------------ results
     def on_prefill_done(self, request: Request, n: int, token_id: int | None = None) -> list[int]:

@@ -160,6 +160,17 @@ class ModelState:
                 raise ValueError(f"cannot roll MTP of slot {slot} forward to {mtp_length}")
             self.mtp_lengths[slot] = mtp_length
 
+    def skip_mtp(self, slot: int, length: int) -> None:
+        """Move the MTP cache of `slot` forward to `length` without writing the positions in
+        between. Valid because the MTP block is window-only: a caller that then writes at
+        least `sliding_window` positions before reading (the runner's catch-up) never reads
+        a skipped one for a draft."""
+        if self.mtp is None or self.mtp.kind != WINDOW:
+            raise ValueError("skip_mtp needs a window-only MTP block")
+        if length < self.mtp_lengths[slot]:
+            raise ValueError(f"cannot skip the MTP of slot {slot} back to {length}; use rollback")
+        self.mtp_lengths[slot] = length
+
     def free(self, slot: int) -> None:
         """Release a slot: its contents become garbage that the next owner overwrites."""
         self.lengths[slot] = 0

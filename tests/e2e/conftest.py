@@ -21,7 +21,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def daemon(tiny_model: Path) -> Iterator[Daemon]:
-    """A daemon with the default engine settings (K = 1: the tiny model has MTP weights)."""
-    d = Daemon(tiny_model).wait_ready()
+    """A daemon with the default engine settings but a fixed K = 1, so that every request
+    drafts (the default, auto, may choose K = 0 on a CPU)."""
+    d = Daemon(tiny_model, "--num-speculative-tokens", "1").wait_ready()
     yield d
     d.cleanup()

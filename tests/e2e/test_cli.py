@@ -66,8 +66,20 @@ def test_json_has_every_field(daemon: Daemon) -> None:
     assert out["usage"]["completion_tokens"] == N and out["usage"]["prompt_tokens"] > 0
     assert out["timings"]["ttft_s"] > 0 and out["timings"]["tpot_s"] > 0
     assert {"drafted", "accepted", "acceptance_rate", "mean_acceptance_length"} <= set(out["spec"])
-    assert out["spec"]["drafted"] > 0  # the tiny model has MTP weights: K = 1 by default
+    assert out["spec"]["drafted"] > 0  # the shared daemon runs K = 1
     assert 0 <= out["spec"]["accepted"] <= out["spec"]["drafted"]
+    assert out["spec"]["num_speculative_tokens"] == 1 and out["spec"]["speculative_auto"] is False
+
+
+def test_auto_k_is_the_default_and_reported(tiny_model: Path) -> None:
+    """Without --num-speculative-tokens a checkpoint with MTP weights runs auto K: run --json
+    says so and which K was in use."""
+    r = dsv4("run", "--local", "--model", str(tiny_model), "--json", "--max-tokens", "8", "--ignore-eos", PROMPT)
+    assert r.returncode == 0, r.stderr
+    spec = json.loads(r.stdout)["spec"]
+    assert spec["speculative_auto"] is True and spec["num_speculative_tokens"] in (0, 1, 2, 3)
+    r = dsv4("run", "--local", "--model", str(tiny_model), "--num-speculative-tokens", "often", PROMPT)
+    assert r.returncode == 2 and "--num-speculative-tokens must be an integer >= 0 (or auto)" in r.stderr
 
 
 def test_prompt_from_stdin_dash_and_both(daemon: Daemon) -> None:
@@ -102,6 +114,7 @@ def test_status(daemon: Daemon) -> None:
     for key in ("model", "device", "dtype", "uptime_s", "running", "waiting", "totals", "pid", "in_flight"):
         assert key in st, key
     assert st["running"] == 0 and st["waiting"] == 0 and st["pid"] == daemon.proc.pid
+    assert (st["num_speculative_tokens"], st["speculative_auto"], st["max_speculative_tokens"]) == (1, False, 1)
     run_json("--max-tokens", "4", "--ignore-eos", "Status:", endpoint=daemon.endpoint)  # some MTP totals
     r = dsv4("status", endpoint=daemon.endpoint)
     assert r.returncode == 0 and f"pid {daemon.proc.pid}" in r.stdout

@@ -18,12 +18,12 @@ HELDOUT = Path(__file__).resolve().parents[2] / "data/shakespeare/heldout"
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(max_num_seqs=4, max_model_len=1024)
+    return LLM(max_num_seqs=4, max_model_len=1024, num_speculative_tokens=1)  # K = 1: these tests measure drafts
 
 
 def test_asset_loads_and_validates():
     cfg = EngineConfig.create(model=str(dsv4.DEFAULT_MODEL))
-    assert cfg.has_mtp and cfg.num_speculative_tokens == 1
+    assert cfg.has_mtp and cfg.speculative_auto and cfg.num_speculative_tokens == 3
     mc = cfg.model_config
     assert set(mc.layer_kinds) == {"window", "csa", "hca"} and mc.num_hash_layers == 1
     assert mc.sliding_window == 128 and mc.hc_mult == 4 and mc.vocab_size == 4096

@@ -63,17 +63,17 @@ def err(match_fn, **kw) -> str:
 
 def test_defaults_resolved(ckpt: Path) -> None:
     c = EngineConfig.create(model=str(ckpt))
-    assert c.has_mtp and c.num_speculative_tokens == 1
+    assert c.has_mtp and c.speculative_auto and c.num_speculative_tokens == 3  # auto: K in 0..3
     assert c.dtype == "float32" and c.device == "cpu"
     assert c.prefill_limit == 128 and c.model_config.prefill_limit == 128
     assert c.max_model_len == 2048
-    assert c.max_num_batched_tokens == 128 + 8 * 2
+    assert c.max_num_batched_tokens == 128 + 8 * 4
     assert c.effective_chunk_size == 128 and not c.single_dispatch
     assert c.torch_dtype is torch.float32
     assert any("chunked prefill with speculative decoding: supported" in s for s in c.banner_lines())
     # replace() re-validates from resolved values
     c2 = dataclasses.replace(c, long_prefill_token_threshold=64)
-    assert c2.effective_chunk_size == 64 and c2.has_mtp
+    assert c2.effective_chunk_size == 64 and c2.has_mtp and c2.speculative_auto
 
 
 def test_no_mtp_defaults_to_k0(tmp_path: Path) -> None:
