@@ -95,7 +95,7 @@ def serve(
         from dsv4.daemon.process import engine_settings, report_running, spawn_detached
 
         if paths.daemon_pid(endpoint) is not None:
-            same, line = report_running(endpoint, engine_settings(config), api_key)
+            same, line = report_running(endpoint, engine_settings(config, set(kw)), api_key)
             if not same:
                 raise CliError(line)
             O.err(line)
@@ -112,7 +112,7 @@ def serve(
         raise typer.Exit(O.EXIT_OK)
     from dsv4.daemon.process import run_daemon
 
-    raise typer.Exit(run_daemon(config, endpoint, http_server, api_key=api_key))
+    raise typer.Exit(run_daemon(config, endpoint, http_server, api_key=api_key, given=set(kw)))
 
 
 @app.command()

@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Collection
 
 from dsv4 import __version__
 from dsv4.daemon.paths import PidLock, daemon_pid, log_file, open_private, pid_file, read_pid, remove_stale
@@ -85,9 +85,11 @@ SETTING_FLAGS = {
 }
 
 
-def engine_settings(config: Any) -> dict[str, Any]:
-    """The resolved values of the settings `serve` compares with a running daemon's."""
-    return {k: getattr(config, k) for k in SETTING_FLAGS}
+def engine_settings(config: Any, given: Collection[str] | None = None) -> dict[str, Any]:
+    """The resolved values of the settings `serve` compares with a running daemon's: all of
+    them, or only those in `given` (the flags the user gave, and the model) -- a `serve`
+    that leaves a setting at its default asks for nothing in particular there."""
+    return {k: getattr(config, k) for k in SETTING_FLAGS if given is None or k in given}
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -144,9 +146,11 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None = None) -> int:
+def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None = None,
+               given: Collection[str] | None = None) -> int:
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
-    `dsv4.http.server.HttpServer` for --http, or None."""
+    `dsv4.http.server.HttpServer` for --http, or None; `given`: the engine settings given
+    on the command line (compared with a daemon already running; None = all)."""
     from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
@@ -159,7 +163,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
     os.umask(0o077)  # the socket file is private from the moment it is bound
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():
-        same, line = report_running(endpoint, engine_settings(config), api_key)
+        same, line = report_running(endpoint, engine_settings(config, given), api_key)
         print(line, file=sys.stderr)
         return EXIT_OK if same else EXIT_ERROR
     if http is not None:
