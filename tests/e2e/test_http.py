@@ -29,7 +29,9 @@ def server(tiny_model: Path) -> Iterator[tuple[Daemon, int]]:
     port = _free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV4_API_KEY", KEY)  # the key guards the ZeroMQ socket too: the CLI calls here carry it
-        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY).wait_ready()
+        # a fixed K: the spec-decode metrics and the bench's MTP arms need drafts (auto may choose 0)
+        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY,
+                   "--num-speculative-tokens", "1").wait_ready()
         assert wait_until(lambda: _get(port, "/health")[0] == 200, timeout=30), d.log.read_text()
         yield d, port
         d.cleanup()
