@@ -66,7 +66,7 @@ class EngineConfig:
     profile_dir: str | None = None
     threads: int | None = None  # torch CPU threads; None = default_threads()
     quantization: str | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int | None = None  # built: WORLD_SIZE under torchrun, else 1 unless given
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
@@ -76,6 +76,7 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
     sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
+    launch: "Launch | None" = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -106,7 +107,11 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
-        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device, self.nnodes)
+        set_("launch", torchrun_launch())
+        _resolve_tensor_parallel(self, set_)
+        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
+                               self.nnodes if self.launch is None else self.tensor_parallel_size // self.launch.local_world,
+                               "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         _check_hosts(self)
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
@@ -285,6 +290,71 @@ def generation_defaults(model_dir: Path) -> dict:
     return out
 
 
+# ---------------------------------------------------------------------- torchrun
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in a group that `torchrun` started (its environment variables):
+    every process is already one rank; nothing is spawned."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int  # ranks on this host (LOCAL_WORLD_SIZE; WORLD_SIZE when unset)
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent serves the rendezvous store (TORCHELASTIC_USE_AGENT_STORE)
+
+
+def torchrun_launch(env: Any = None) -> Launch | None:
+    """`Launch` from torchrun's variables when RANK or WORLD_SIZE is set, else None;
+    `EngineConfigError` naming the variable when one is missing or not a number."""
+    env = os.environ if env is None else env
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return None
+    for var in TORCHRUN_VARS:
+        if not env.get(var):
+            raise EngineConfigError(f"{var} is not set, but RANK/WORLD_SIZE are: a torchrun launch sets all of "
+                                    f"{', '.join(TORCHRUN_VARS)}")
+    nums = {}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        raw = env.get(var, env["WORLD_SIZE"] if var == "LOCAL_WORLD_SIZE" else "")
+        if not raw.isdigit():
+            raise EngineConfigError(f"{var} must be a non-negative integer, got {raw!r}")
+        nums[var] = int(raw)
+    world, local_world = nums["WORLD_SIZE"], nums["LOCAL_WORLD_SIZE"]
+    if world < 1 or nums["RANK"] >= world:
+        raise EngineConfigError(f"RANK {nums['RANK']} is out of range for WORLD_SIZE {world}")
+    if local_world < 1 or world % local_world or nums["LOCAL_RANK"] >= local_world:
+        raise EngineConfigError(f"LOCAL_RANK {nums['LOCAL_RANK']} / LOCAL_WORLD_SIZE {local_world} do not fit "
+                                f"WORLD_SIZE {world} (each host runs the same number of ranks)")
+    return Launch(nums["RANK"], world, nums["LOCAL_RANK"], local_world, env["MASTER_ADDR"], nums["MASTER_PORT"],
+                  env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+def _resolve_tensor_parallel(c: "EngineConfig", set_: Any) -> None:
+    """--tensor-parallel-size: WORLD_SIZE under torchrun (a different value given is an error,
+    and so is any of --nnodes/--node-rank/--master-addr/--master-port: torchrun placed the
+    ranks), else 1 unless given."""
+    T, launch = c.tensor_parallel_size, c.launch
+    if launch is None:
+        set_("tensor_parallel_size", 1 if T is None else T)
+        return
+    if T is not None and T != launch.world:
+        raise EngineConfigError(f"--tensor-parallel-size {T} conflicts with WORLD_SIZE {launch.world} set by torchrun "
+                                f"(drop the flag: under torchrun every process is one rank)")
+    given = [(f, v) for f, v, default in (("--nnodes", c.nnodes, 1), ("--node-rank", c.node_rank, 0),
+                                          ("--master-addr", c.master_addr, None), ("--master-port", c.master_port, None))
+             if v != default]
+    if given:
+        flag, value = given[0]
+        raise EngineConfigError(f"{flag} {value} cannot be combined with torchrun (RANK, WORLD_SIZE, MASTER_ADDR and "
+                                f"MASTER_PORT are set; its rendezvous places the ranks): drop {flag}")
+    set_("tensor_parallel_size", launch.world)
+
+
 # ---------------------------------------------------------------------- checks
 def _check_hosts(c: "EngineConfig") -> None:
     """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
@@ -308,18 +378,20 @@ def _check_hosts(c: "EngineConfig") -> None:
                                 f"got {c.rendezvous_timeout!r}")
 
 
-def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1) -> None:
-    """--tensor-parallel-size: divides every split dimension; one device per rank of a host."""
+def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
+                           flag: str = "--tensor-parallel-size") -> None:
+    """--tensor-parallel-size (or torchrun's WORLD_SIZE): divides every split dimension; one
+    device per rank of a host."""
     from dsv4.model.parallel import ParallelError, check_sizes
 
-    _check_int("--tensor-parallel-size", T, minimum=1)
+    _check_int(flag, T, minimum=1)
     try:
-        check_sizes(mc, T)
+        check_sizes(mc, T, flag)
     except ParallelError as e:
         raise EngineConfigError(str(e)) from None
     kind, sep, _ = device.partition(":")
     if T > 1 and sep:
-        raise EngineConfigError(f"--tensor-parallel-size {T} gives rank r device {kind}:r; "
+        raise EngineConfigError(f"{flag} {T} gives rank r device {kind}:r; "
                                 f"use --device {kind} (not {device})")
     if T > 1 and kind in ("cuda", "npu"):
         import torch
@@ -327,7 +399,7 @@ def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1
         n = getattr(torch, kind).device_count()
         local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
         if local > n:
-            raise EngineConfigError(f"--tensor-parallel-size {T} over --nnodes {nnodes} needs {local} {kind} "
+            raise EngineConfigError(f"{flag} {T} over {nnodes} host(s) needs {local} {kind} "
                                     f"devices on each host; {n} are visible")
 
 

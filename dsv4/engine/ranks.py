@@ -12,6 +12,11 @@ Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each
 runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
 (scheduler, client socket), the others run `serve_node` and bind nothing.
 
+Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set: the
+config's `launch`) every process already is one rank: nothing is spawned, each joins
+as RANK on device LOCAL_RANK through torchrun's rendezvous; RANK 0 runs the engine and
+the others run `serve_node` (the CLI calls it before anything else: `cli.options.torchrun_follower`).
+
 Failure: a rank that dies makes the next collective fail on the others (gloo: the
 connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
 liveness before each step (`check`), and each worker exits when its pipe from rank 0
@@ -101,10 +106,11 @@ def _exit_when_closed(pipe: Any) -> None:
 
 
 def _local_device(config: Any, rank: int) -> str:
-    """Rank `rank`'s device on its host (device index = its place among the host's ranks);
-    made current, or on CPU the host's cores shared among its ranks."""
-    per_host = config.tensor_parallel_size // config.nnodes
-    dev = rank_device(config.device, rank % per_host)
+    """Rank `rank`'s device on its host (device index = its place among the host's ranks,
+    LOCAL_RANK under torchrun); made current, or on CPU the host's cores shared among its ranks."""
+    launch = config.launch
+    per_host = config.tensor_parallel_size // config.nnodes if launch is None else launch.local_world
+    dev = rank_device(config.device, rank % per_host if launch is None else launch.local_rank)
     if dev != "cpu":
         getattr(torch, dev.partition(":")[0]).set_device(dev)
     else:
@@ -113,8 +119,10 @@ def _local_device(config: Any, rank: int) -> str:
 
 
 def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
+    agent = config.launch is not None and config.launch.agent_store  # torchrun's agent serves the store
     parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
-                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout)
+                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
+                  serve_store=False if agent else None)
 
 
 def _follow_rank(rank: int, config: Any, dev: str) -> None:
@@ -146,8 +154,9 @@ def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None
 
 
 def serve_node(config: Any) -> int:
-    """`dsv4 serve --node-rank R` (R > 0): this host's ranks join rank 0's group and run its
-    steps until rank 0 stops (exit 0) or the group fails (`RankError`). Binds no socket."""
+    """`dsv4 serve --node-rank R` (R > 0), or any command's RANK > 0 under torchrun: this
+    host's ranks join rank 0's group and run its steps until rank 0 stops (exit 0) or the
+    group fails (`RankError`). Binds no socket."""
     ranks = Ranks(config)
     try:
         _follow_rank(ranks.first, config, ranks.device)
@@ -160,14 +169,15 @@ def serve_node(config: Any) -> int:
 
 class Ranks:
     """A host's handle on its other ranks: this process is the host's first rank (rank 0
-    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each)."""
+    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each). Under
+    torchrun this process is rank RANK and spawns nothing (torchrun started the others)."""
 
     def __init__(self, config: Any):
-        T, N = config.tensor_parallel_size, config.nnodes
-        per_host = T // N
-        self.first = config.node_rank * per_host
-        addr = config.master_addr or "127.0.0.1"
-        port = config.master_port or _free_port()
+        T, N, launch = config.tensor_parallel_size, config.nnodes, config.launch
+        per_host = T // N if launch is None else 1  # the ranks this process starts, itself included
+        self.first = config.node_rank * per_host if launch is None else launch.rank
+        addr = config.master_addr or "127.0.0.1" if launch is None else launch.master_addr
+        port = config.master_port or _free_port() if launch is None else launch.master_port
         ctx = mp.get_context("spawn")
         self.procs, self.pipes = [], []
         for r in range(self.first + 1, self.first + per_host):
@@ -183,6 +193,10 @@ class Ranks:
             _join(self.first, config, addr, port, self.device)
         except Exception as e:
             self.close()
+            if launch is not None:
+                raise RankError(f"torchrun: RANK {self.first} of WORLD_SIZE {T} could not join the group at "
+                                f"MASTER_ADDR {addr} MASTER_PORT {port} within {config.rendezvous_timeout:g} s "
+                                f"({type(e).__name__})") from None
             if self.first > 0:
                 raise RankError(f"--nnodes {N}: rank 0 did not answer at --master-addr {addr} --master-port {port} "
                                 f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None

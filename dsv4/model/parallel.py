@@ -47,17 +47,19 @@ class ParallelError(ValueError):
 
 # ------------------------------------------------------------------ the group
 def init(rank: int, world: int, master_addr: str, master_port: int, *, backend: str = "gloo",
-         timeout_s: float = 60.0, rendezvous_s: float | None = None) -> None:
+         timeout_s: float = 60.0, rendezvous_s: float | None = None, serve_store: bool | None = None) -> None:
     """Join the group of `world` ranks rendezvousing at master_addr:master_port (TCP store,
-    served by rank 0). `rendezvous_s` (default `timeout_s`) bounds the wait for the others;
-    `timeout_s` bounds every collective (a dead peer cannot hang a rank)."""
+    served by rank 0, or by torchrun's agent: `serve_store` False on every rank).
+    `rendezvous_s` (default `timeout_s`) bounds the wait for the others; `timeout_s`
+    bounds every collective (a dead peer cannot hang a rank)."""
     global _GROUP
     timeout = datetime.timedelta(seconds=timeout_s)
     wait = rendezvous_s if rendezvous_s is not None else timeout_s
     meet = datetime.timedelta(seconds=wait)
-    if rank != 0:
+    is_master = rank == 0 if serve_store is None else serve_store
+    if not is_master:
         _wait_for_master(master_addr, master_port, wait)
-    store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0, timeout=meet,
+    store = dist.TCPStore(master_addr, master_port, world, is_master=is_master, timeout=meet,
                           wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _GROUP = dist.group.WORLD
