@@ -1,7 +1,8 @@
 """The engine at --tensor-parallel-size 2 (rank 0 here, rank 1 spawned, gloo on CPU):
 greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
-process token for token (none and w8a8); a killed rank fails the step and leaves no
-process behind; a size that does not divide the model is refused before loading."""
+process token for token (none and w8a8), and at --tensor-parallel-size 4 (on the tiny
+config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
+behind; a size that does not divide the model is refused before loading."""
 
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def test_two_ranks_generate_what_one_does(ckpt, quantization, K):
         ref = _run(ckpt, 1, K, quantization)
         assert all(len(r) == GEN for r in ref)
         assert _run(ckpt, 2, K, quantization) == ref
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_four_ranks_generate_what_one_does(tmp_path):
+    from tests.model.tiny import TP4
+
+    write_tiny_checkpoint(tmp_path, **TP4)
+    threads = torch.get_num_threads()
+    try:
+        ref = _run(tmp_path, 1, 1, "none")
+        assert all(len(r) == GEN for r in ref)
+        assert _run(tmp_path, 4, 1, "none") == ref
     finally:
         torch.set_num_threads(threads)
 
