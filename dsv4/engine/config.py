@@ -72,6 +72,7 @@ class EngineConfig:
     master_addr: str | None = None
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
+    plan_transport: str = "auto"  # built: "shm" (one host, T > 1) or "object"; no flag (LLM, benchmarks)
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -113,6 +114,7 @@ class EngineConfig:
                                self.nnodes if self.launch is None else self.tensor_parallel_size // self.launch.local_world,
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         _check_hosts(self)
+        set_("plan_transport", _resolve_transport(self))
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
@@ -353,6 +355,24 @@ def _resolve_tensor_parallel(c: "EngineConfig", set_: Any) -> None:
         raise EngineConfigError(f"{flag} {value} cannot be combined with torchrun (RANK, WORLD_SIZE, MASTER_ADDR and "
                                 f"MASTER_PORT are set; its rendezvous places the ranks): drop {flag}")
     set_("tensor_parallel_size", launch.world)
+
+
+def _resolve_transport(c: "EngineConfig") -> str:
+    """How rank 0 sends each step's plan (`engine.transport`): "auto" = shared memory when
+    every rank is on this host (measured faster, BENCHMARKS.md), the group's object
+    broadcast across hosts."""
+    from dsv4.engine.transport import SHM_DIR, TRANSPORTS
+
+    if c.plan_transport not in TRANSPORTS:
+        raise EngineConfigError(f"plan_transport must be one of {', '.join(TRANSPORTS)}, got {c.plan_transport!r}")
+    one_host = c.nnodes == 1 and (c.launch is None or c.launch.local_world == c.launch.world)
+    if c.plan_transport == "shm" and not one_host:
+        raise EngineConfigError("plan_transport shm needs every rank on one host; use object (or auto)")
+    if c.plan_transport == "shm" and SHM_DIR is None:
+        raise EngineConfigError("plan_transport shm needs /dev/shm, which this host lacks; use object (or auto)")
+    if c.plan_transport == "auto":
+        return "shm" if one_host and SHM_DIR is not None and c.tensor_parallel_size > 1 else "object"
+    return c.plan_transport
 
 
 # ---------------------------------------------------------------------- checks

@@ -123,6 +123,10 @@ def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
     parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
                   timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
                   serve_store=False if agent else None)
+    if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
+        from .transport import ShmChannel
+
+        parallel.set_channel(ShmChannel())
 
 
 def _follow_rank(rank: int, config: Any, dev: str) -> None:

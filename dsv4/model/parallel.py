@@ -24,6 +24,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from torch import nn
 from ..config import ModelConfig
 
 _GROUP: dist.ProcessGroup | None = None
+_CHANNEL: Any = None  # replaces broadcast_object_list when set (engine.transport.ShmChannel, one host)
 STATS: dict[str, list] = {}  # collective -> [calls, seconds] on this rank (benchmarks/parallel.py)
 
 
@@ -79,9 +81,18 @@ def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def set_channel(channel: Any) -> None:
+    """Send `broadcast_object`'s messages through `channel` (its `broadcast(obj)`; None: the group)."""
+    global _CHANNEL
+    _CHANNEL = channel
+
+
 def close() -> None:
     """Leave the group (a no-op when none was joined)."""
-    global _GROUP
+    global _GROUP, _CHANNEL
+    if _CHANNEL is not None:
+        _CHANNEL.close()
+        _CHANNEL = None
     if _GROUP is not None:
         dist.destroy_process_group()
         _GROUP = None
@@ -131,14 +142,19 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj: object = None) -> object:
-    """Rank 0's `obj` on every rank (the engine's per-step plan and results)."""
+    """Rank 0's `obj` on every rank (the engine's per-step plan and results), through the
+    channel when one is set, else `broadcast_object_list`."""
     if _GROUP is None:
         return obj
     t0 = time.perf_counter()
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if _CHANNEL is not None:
+        out = _CHANNEL.broadcast(obj)
+    else:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
     _count("broadcast_object", t0)
-    return box[0]
+    return out
 
 
 # ------------------------------------------------------------------ who holds what

@@ -2,10 +2,12 @@
 greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
 process token for token (none and w8a8), and at --tensor-parallel-size 4 (on the tiny
 config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
-behind; a size that does not divide the model is refused before loading."""
+behind (nor anything in /dev/shm); a size that does not divide the model is refused
+before loading."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import time
@@ -16,6 +18,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.config import EngineConfig, EngineConfigError
 from dsv4.engine.ranks import RankError
+from dsv4.model import parallel
 from tests.checkpoints import write_tiny_checkpoint
 
 GEN = 8
@@ -81,6 +84,7 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
     llm = LLM(ckpt, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
     try:
         pids = llm.engine.ranks.pids
+        assert type(parallel._CHANNEL).__name__ == "ShmChannel"  # one host: the plans go through shared memory
         llm.engine.add_request(_prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()  # mid-request
         os.kill(pids[0], signal.SIGKILL)
@@ -94,6 +98,7 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+    assert not glob.glob(f"/dev/shm/dsv4-plan-{os.getpid()}-*")  # nothing left in /dev/shm
 
 
 def test_size_that_does_not_divide_is_refused(ckpt):
