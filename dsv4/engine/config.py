@@ -123,13 +123,7 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
-        auto = k is None or k == "auto"
-        if auto and self.tensor_parallel_size > 1:
-            # the ranks replay rank 0's plan with one K: a per-step K is not sent to them (yet)
-            if k == "auto":
-                raise EngineConfigError("--num-speculative-tokens auto does not work with --tensor-parallel-size "
-                                        f"{self.tensor_parallel_size} yet; give a number of drafts (0..3)")
-            auto, k = False, min(1, self.mtp_depth)  # the default before auto K
+        auto = k is None or k == "auto"  # under tensor parallelism too: each plan carries the step's K
         if auto:
             k = self.mtp_depth  # 0 without MTP weights
         set_("speculative_auto", bool(auto or self.speculative_auto) and self.has_mtp and k > 0)

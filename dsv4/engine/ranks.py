@@ -7,6 +7,10 @@ step, `Runner.execute` on rank 0 broadcasts the plan (`plan_message`: rows, prom
 when a request starts, decode tokens with their drafts); each other rank rebuilds it
 on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
 and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
+With auto K the plan carries the step's K (`Runner.k_draft`): the MTP backlog, pending
+rows and drafts of every rank then follow from the plan alone, so only rank 0 keeps a
+policy that chooses (the others calibrate with it, since the calibration's dispatches
+run collectives too).
 
 Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each host
 runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
@@ -53,12 +57,13 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
-                 drafts: dict[int, list[int]]) -> tuple[list, list]:
+                 drafts: dict[int, list[int]], k_draft: int) -> tuple[list, list, int]:
     """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
-    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row."""
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, and
+    the drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K)."""
     return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes])
+             for r, n in decodes], k_draft)
 
 
 def follow(runner: Any) -> None:
@@ -68,7 +73,7 @@ def follow(runner: Any) -> None:
         msg = parallel.broadcast_object(None)
         if msg is None:
             return
-        pre, dec = msg
+        pre, dec, runner.k_draft = msg  # auto K: the MTP depth of this step, as rank 0 chose it
         prefills, decodes = [], []
         for slot, start, n, prompt, k in pre:
             if prompt is not None:
@@ -133,13 +138,21 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
     from ..model.loader import load_model
     from .runner import Runner
+    from .spec_policy import SpecPolicy
 
     model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
                        rank=rank, world=config.tensor_parallel_size)
     gather_weight_bytes(model)
-    follow(Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                  max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                  device=torch.device(dev)))
+    # auto K: a policy of its own only so that this runner takes the same code paths as rank 0's
+    # (fewer drafts than a row's tokens; the calibration's dispatches, collectives included);
+    # its choices are never used: every plan carries rank 0's K
+    policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
+    runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                    max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                    device=torch.device(dev), policy=policy)
+    if policy is not None:
+        runner.calibrate()
+    follow(runner)
 
 
 def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:
