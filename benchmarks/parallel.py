@@ -2,7 +2,7 @@
 collectives (waiting for the other ranks included) at T = 1, 2 (4), one request, greedy.
 
     python benchmarks/parallel.py [--model DIR] [--sizes 1,2] [--device cpu|cuda]
-                                  [--prompt-len 256] [--gen 64] [--reps 3] [--quantization none|w8a8]
+                                  [--prompt-len 256] [--gen 64] [--reps 3] [--quantization none|w8a8] [--dtype auto|bfloat16]
                                   [--transports object,shm]
 
 On a CPU the ranks share the cores, so T > 1 is slower than T = 1: the point is what the
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -29,7 +30,7 @@ from dsv4.model import parallel
 def measure(model: str, T: int, transport: str, args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     with LLM(model, tensor_parallel_size=T, device=args.device, num_speculative_tokens=0, max_num_seqs=1,
-             max_model_len=args.prompt_len + args.gen + 8, quantization=args.quantization,
+             max_model_len=args.prompt_len + args.gen + 8, quantization=args.quantization, dtype=args.dtype,
              plan_transport=transport) as llm:
         vocab = llm.engine.config.model_config.vocab_size
         prompt = torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
@@ -46,10 +47,13 @@ def measure(model: str, T: int, transport: str, args: argparse.Namespace) -> dic
             steps = max(1, parallel.STATS.get("broadcast_object", (0, 0.0))[0] // 2)  # plan + results per step
             plan.append(parallel.STATS.get("broadcast_object", (0, 0.0))[1] / steps)
         weights = llm.engine.rank_weight_bytes
+    rss = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)  # rank 0's peak so far, GiB
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
-    return {"T": T, "transport": transport if T > 1 else None, "device": args.device, "quantization": args.quantization, "prompt_len": args.prompt_len,
+    return {"T": T, "transport": transport if T > 1 else None, "device": args.device, "dtype": args.dtype,
+            "quantization": args.quantization, "prompt_len": args.prompt_len,
             "gen": args.gen, "ttft_s": med(ttft), "decode_tok_s": 1.0 / med(tpot),
-            "collective_share": med(share), "plan_s_per_step": med(plan), "rank_weight_bytes": weights}
+            "collective_share": med(share), "plan_s_per_step": med(plan), "rank_weight_bytes": weights,
+            "rank0_peak_rss_gib": rss}
 
 
 def main() -> None:
@@ -61,6 +65,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quantization", default="none")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--transports", default="object,shm", help="plan transports measured at each T > 1")
     args = ap.parse_args()
     for T in (int(s) for s in args.sizes.split(",")):
