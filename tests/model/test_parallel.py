@@ -68,6 +68,7 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, quant: str, out: str
         res = run_model(model)
         res["weight_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
         torch.save(res, f"{out}.{rank}")
+        torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
         parallel.close()
     except BaseException:
         traceback.print_exc()

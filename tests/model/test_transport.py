@@ -46,6 +46,7 @@ def _rank_main(rank: int, port: int, out: str) -> None:
                     errors.append(str(e))
         got.append(errors)
         torch.save(got, f"{out}.{rank}")
+        torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
         parallel.close()
     except BaseException:
         traceback.print_exc()
