@@ -28,7 +28,7 @@ import pickle
 import secrets
 import struct
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,7 @@ class ShmChannel:
         self.capacity = capacity
         self.data_at = 8 * self.world  # acks: one int64 per rank (rank 0's unused), then the data
         self.seq = 0
+        self.check: Callable[[], None] | None = None  # rank 0: raises when a rank died (`Ranks.check`)
         self.device = _header_device()
         path = None
         try:
@@ -130,16 +131,23 @@ class ShmChannel:
 
     def _wait_acks(self, seq: int) -> None:
         """Until every other rank has read message `seq` (at once, nearly always: a step's
-        collectives come between two messages)."""
-        deadline, spins = None, 0
+        collectives come between two messages); `check` every 0.1 s meanwhile, so a rank
+        that died while the others waited fails the step within moments."""
+        deadline = checked = None
+        spins = 0
         while min(struct.unpack_from(f"<{self.world - 1}q", self.buf, 8)) < seq:
             spins += 1
-            if spins > 100:
-                time.sleep(0.0001)
-                if deadline is None:
-                    deadline = time.monotonic() + ACK_WAIT_S
-                elif time.monotonic() > deadline:
-                    raise TransportError(f"plan message {seq} was not read by every rank within {ACK_WAIT_S:g} s")
+            if spins <= 100:
+                continue
+            time.sleep(0.0001)
+            now = time.monotonic()
+            if deadline is None:
+                deadline, checked = now + ACK_WAIT_S, now
+            if self.check is not None and now - checked >= 0.1:
+                checked = now
+                self.check()
+            if now > deadline:
+                raise TransportError(f"plan message {seq} was not read by every rank within {ACK_WAIT_S:g} s")
 
     def close(self) -> None:
         self.buf.close()

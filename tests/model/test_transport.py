@@ -70,6 +70,26 @@ def test_shm_channel_delivers_and_refuses(tmp_path: Path) -> None:
     assert not glob.glob(f"/dev/shm/dsv4-plan-{procs[0].pid}-*")
 
 
+def test_waiting_for_a_dead_rank_checks_its_liveness() -> None:
+    """Rank 0 waits for the acks of the previous message; `check` (Ranks.check) runs meanwhile."""
+    import mmap
+
+    from dsv4.engine.ranks import RankError
+    from dsv4.engine.transport import ShmChannel
+
+    ch = object.__new__(ShmChannel)
+    ch.world, ch.buf, calls = 2, mmap.mmap(-1, 16), []  # rank 1's ack slot stays 0
+
+    def check() -> None:
+        calls.append(1)
+        raise RankError("tensor-parallel rank 1 (pid 1) exited with code -9")
+
+    ch.check = check
+    with pytest.raises(RankError, match="^tensor-parallel rank 1"):
+        ch._wait_acks(1)
+    assert calls == [1]
+
+
 def test_engine_transport_choice(tmp_path: Path) -> None:
     from tests.checkpoints import write_tiny_checkpoint
 
