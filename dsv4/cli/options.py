@@ -209,7 +209,8 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
     same engine options, join rank 0's group, run its steps until it stops, then exit
     (status 0; 1 with one line when the group fails). Returns at once on rank 0 and
     outside torchrun (before anything reads stdin or binds a socket)."""
-    from dsv4.engine.config import EngineConfigError, torchrun_launch
+    from dsv4.engine.config import EngineConfigError
+    from dsv4.engine.launch import torchrun_launch
 
     try:
         launch = torchrun_launch()
