@@ -27,5 +27,10 @@ python3 benchmarks/step_costs.py --device cuda --iters 100 2>&1 | tee "$OUT/step
 python3 benchmarks/run.py --device cuda --data "$DATA" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 # tensor parallelism at T = 1 on the one lent GPU (the collectives are no-ops; T = 2 needs two devices),
 # then the gloo T = 2 exactness tests on the host's CPUs
+# then the gloo T = 2 (and 4) exactness tests, the shared-memory plan channel and auto K at T = 2 on the
+# host's CPUs, and torchrun's launch path on the GPU (one process: WORLD_SIZE 1, `run` implies --local)
 python3 benchmarks/parallel.py --device cuda --sizes 1 2>&1 | tee "$OUT/parallel.log"
-python3 -m pytest -q -p no:cacheprovider tests/model/test_parallel.py 2>&1 | tee "$OUT/parallel_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/model/test_parallel.py tests/model/test_transport.py \
+    tests/model/test_parallel_engine.py 2>&1 | tee "$OUT/parallel_tests.log"
+python3 -m torch.distributed.run --nproc-per-node 1 --master-port 29571 -m dsv4.cli.main run --device cuda \
+    --max-tokens 16 --ignore-eos --raw "Hamlet:" 2>&1 | tee "$OUT/torchrun.log"

@@ -209,6 +209,7 @@ def bench(
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
     if not arms or any(a not in ("on", "off") for a in arms) or len(set(arms)) != len(arms):
         raise CliError(f"--mtp must be on, off or on,off; got {mtp!r}", O.EXIT_USAGE)
+    local = local or O.under_torchrun()  # under torchrun every process is a rank of one engine
     engine = O.local_engine_kwargs(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -218,6 +219,8 @@ def bench(
 
     if http is not None and local:
         raise CliError("--http and --local are two different targets; give one", O.EXIT_USAGE)
+    if local:
+        O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     if http is not None:
         from dsv4.cli.bench_http import HttpBackend
 

@@ -99,7 +99,7 @@ Quantization = Annotated[Optional[str], typer.Option(
 TensorParallel = Annotated[Optional[int], typer.Option(
     "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
     help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
-         "rank r uses cuda:r, on cpu T processes) [default: 1]")]
+         "rank r uses cuda:r, on cpu T processes) [default: 1; WORLD_SIZE under torchrun]")]
 NNodes = Annotated[Optional[int], typer.Option(
     "--nnodes", metavar="N", rich_help_panel=ENGINE_PANEL,
     help="Hosts the T ranks span (the same serve command on each, T / N ranks per host) [default: 1]")]
@@ -194,3 +194,35 @@ def build_config(kw: dict[str, Any]) -> Any:
         return EngineConfig.create(**kw)
     except EngineConfigError as e:
         raise CliError(str(e), EXIT_USAGE) from None
+
+
+def under_torchrun() -> bool:
+    """torchrun's variables are set: `run` and `bench` imply --local (torchrun's own parser
+    reads `--local` as an ambiguous abbreviation of its --local-addr/--local-ranks-filter)."""
+    import os
+
+    return "RANK" in os.environ or "WORLD_SIZE" in os.environ
+
+
+def torchrun_follower(kw: dict[str, Any]) -> None:
+    """Under torchrun, RANK > 0 of `serve`, `run --local` and `bench --local`: validate the
+    same engine options, join rank 0's group, run its steps until it stops, then exit
+    (status 0; 1 with one line when the group fails). Returns at once on rank 0 and
+    outside torchrun (before anything reads stdin or binds a socket)."""
+    from dsv4.engine.config import EngineConfigError
+    from dsv4.engine.launch import torchrun_launch
+
+    try:
+        launch = torchrun_launch()
+    except EngineConfigError as e:
+        raise CliError(str(e), EXIT_USAGE) from None
+    if launch is None or launch.rank == 0:
+        return
+    config = build_config(kw)
+    from dsv4.engine.ranks import RankError, serve_node
+
+    try:
+        code = serve_node(config)
+    except RankError as e:
+        raise CliError(str(e)) from None
+    raise typer.Exit(code)

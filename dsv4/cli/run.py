@@ -81,6 +81,7 @@ def run(
     num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None, threads: O.Threads = None,
     quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
 ) -> None:
+    local = local or O.under_torchrun()  # under torchrun every process is a rank of one engine
     engine = O.local_engine_kwargs(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
@@ -88,6 +89,8 @@ def run(
         profile_dir=profile, threads=threads, quantization=quantization, tensor_parallel_size=tensor_parallel_size)
     if raw and (system is not None or think):
         raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
+    if local:
+        O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
              "repetition_penalty": repetition_penalty, "presence_penalty": presence_penalty,

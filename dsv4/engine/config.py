@@ -22,6 +22,8 @@ fields of a built config always hold concrete values (except `profile_dir`):
   mode also at most the single-dispatch limit;
 * `quantization` None -> as the checkpoint is stored: "w8a8" for a `dsv4 convert`
   output, else "none".
+* `tensor_parallel_size` None -> WORLD_SIZE under torchrun (`launch`, see engine/launch.py),
+  else 1; `plan_transport` "auto" -> "shm" when every rank is on this host, else "object".
 
 A config that cannot run raises `EngineConfigError` with a one-line message that names
 the flag to change (see docs/serving.md section 2).
@@ -33,9 +35,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dsv4.config import ConfigError, ModelConfig
+
+if TYPE_CHECKING:
+    from dsv4.engine.launch import Launch
 
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -66,16 +71,18 @@ class EngineConfig:
     profile_dir: str | None = None
     threads: int | None = None  # torch CPU threads; None = default_threads()
     quantization: str | None = None
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int | None = None  # built: WORLD_SIZE under torchrun, else 1 unless given
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
+    plan_transport: str = "auto"  # built: "shm" (one host, T > 1) or "object"; no flag (LLM, benchmarks)
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
     sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
+    launch: "Launch | None" = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -106,8 +113,15 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
-        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device, self.nnodes)
+        from dsv4.engine.launch import resolve_tensor_parallel, resolve_transport, torchrun_launch
+
+        set_("launch", torchrun_launch())
+        resolve_tensor_parallel(self, set_)
+        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
+                               self.nnodes if self.launch is None else self.tensor_parallel_size // self.launch.local_world,
+                               "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         _check_hosts(self)
+        set_("plan_transport", resolve_transport(self))
         set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
         names = _weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
@@ -116,13 +130,7 @@ class EngineConfig:
         k = self.num_speculative_tokens
         if isinstance(k, str) and k.strip().isdigit():
             k = int(k)
-        auto = k is None or k == "auto"
-        if auto and self.tensor_parallel_size > 1:
-            # the ranks replay rank 0's plan with one K: a per-step K is not sent to them (yet)
-            if k == "auto":
-                raise EngineConfigError("--num-speculative-tokens auto does not work with --tensor-parallel-size "
-                                        f"{self.tensor_parallel_size} yet; give a number of drafts (0..3)")
-            auto, k = False, min(1, self.mtp_depth)  # the default before auto K
+        auto = k is None or k == "auto"  # under tensor parallelism too: each plan carries the step's K
         if auto:
             k = self.mtp_depth  # 0 without MTP weights
         set_("speculative_auto", bool(auto or self.speculative_auto) and self.has_mtp and k > 0)
@@ -308,18 +316,20 @@ def _check_hosts(c: "EngineConfig") -> None:
                                 f"got {c.rendezvous_timeout!r}")
 
 
-def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1) -> None:
-    """--tensor-parallel-size: divides every split dimension; one device per rank of a host."""
+def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
+                           flag: str = "--tensor-parallel-size") -> None:
+    """--tensor-parallel-size (or torchrun's WORLD_SIZE): divides every split dimension; one
+    device per rank of a host."""
     from dsv4.model.parallel import ParallelError, check_sizes
 
-    _check_int("--tensor-parallel-size", T, minimum=1)
+    _check_int(flag, T, minimum=1)
     try:
-        check_sizes(mc, T)
+        check_sizes(mc, T, flag)
     except ParallelError as e:
         raise EngineConfigError(str(e)) from None
     kind, sep, _ = device.partition(":")
     if T > 1 and sep:
-        raise EngineConfigError(f"--tensor-parallel-size {T} gives rank r device {kind}:r; "
+        raise EngineConfigError(f"{flag} {T} gives rank r device {kind}:r; "
                                 f"use --device {kind} (not {device})")
     if T > 1 and kind in ("cuda", "npu"):
         import torch
@@ -327,7 +337,7 @@ def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1
         n = getattr(torch, kind).device_count()
         local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
         if local > n:
-            raise EngineConfigError(f"--tensor-parallel-size {T} over --nnodes {nnodes} needs {local} {kind} "
+            raise EngineConfigError(f"{flag} {T} over {nnodes} host(s) needs {local} {kind} "
                                     f"devices on each host; {n} are visible")
 
 

@@ -101,6 +101,9 @@ class Engine:
         if config.node_rank > 0:
             raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
                             f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")
+        if config.launch is not None and config.launch.rank > 0:
+            raise RankError(f"RANK {config.launch.rank} (torchrun): only rank 0 has an engine; the other ranks "
+                            f"run dsv4.engine.ranks.serve_node(config) (the dsv4 commands do this themselves)")
         self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
         try:
             self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,

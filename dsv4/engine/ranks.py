@@ -7,10 +7,19 @@ step, `Runner.execute` on rank 0 broadcasts the plan (`plan_message`: rows, prom
 when a request starts, decode tokens with their drafts); each other rank rebuilds it
 on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
 and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
+With auto K the plan carries the step's K (`Runner.k_draft`): the MTP backlog, pending
+rows and drafts of every rank then follow from the plan alone, so only rank 0 keeps a
+policy that chooses (the others calibrate with it, since the calibration's dispatches
+run collectives too).
 
 Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each host
 runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
 (scheduler, client socket), the others run `serve_node` and bind nothing.
+
+Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set: the
+config's `launch`) every process already is one rank: nothing is spawned, each joins
+as RANK on device LOCAL_RANK through torchrun's rendezvous; RANK 0 runs the engine and
+the others run `serve_node` (the CLI calls it before anything else: `cli.options.torchrun_follower`).
 
 Failure: a rank that dies makes the next collective fail on the others (gloo: the
 connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
@@ -48,12 +57,13 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
-                 drafts: dict[int, list[int]]) -> tuple[list, list]:
+                 drafts: dict[int, list[int]], k_draft: int) -> tuple[list, list, int]:
     """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
-    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row."""
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, and
+    the drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K)."""
     return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes])
+             for r, n in decodes], k_draft)
 
 
 def follow(runner: Any) -> None:
@@ -63,7 +73,7 @@ def follow(runner: Any) -> None:
         msg = parallel.broadcast_object(None)
         if msg is None:
             return
-        pre, dec = msg
+        pre, dec, runner.k_draft = msg  # auto K: the MTP depth of this step, as rank 0 chose it
         prefills, decodes = [], []
         for slot, start, n, prompt, k in pre:
             if prompt is not None:
@@ -101,10 +111,11 @@ def _exit_when_closed(pipe: Any) -> None:
 
 
 def _local_device(config: Any, rank: int) -> str:
-    """Rank `rank`'s device on its host (device index = its place among the host's ranks);
-    made current, or on CPU the host's cores shared among its ranks."""
-    per_host = config.tensor_parallel_size // config.nnodes
-    dev = rank_device(config.device, rank % per_host)
+    """Rank `rank`'s device on its host (device index = its place among the host's ranks,
+    LOCAL_RANK under torchrun); made current, or on CPU the host's cores shared among its ranks."""
+    launch = config.launch
+    per_host = config.tensor_parallel_size // config.nnodes if launch is None else launch.local_world
+    dev = rank_device(config.device, rank % per_host if launch is None else launch.local_rank)
     if dev != "cpu":
         getattr(torch, dev.partition(":")[0]).set_device(dev)
     else:
@@ -113,21 +124,35 @@ def _local_device(config: Any, rank: int) -> str:
 
 
 def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
+    agent = config.launch is not None and config.launch.agent_store  # torchrun's agent serves the store
     parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
-                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout)
+                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
+                  serve_store=False if agent else None)
+    if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
+        from .transport import ShmChannel
+
+        parallel.set_channel(ShmChannel())
 
 
 def _follow_rank(rank: int, config: Any, dev: str) -> None:
     """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
     from ..model.loader import load_model
     from .runner import Runner
+    from .spec_policy import SpecPolicy
 
     model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
                        rank=rank, world=config.tensor_parallel_size)
     gather_weight_bytes(model)
-    follow(Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                  max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                  device=torch.device(dev)))
+    # auto K: a policy of its own only so that this runner takes the same code paths as rank 0's
+    # (fewer drafts than a row's tokens; the calibration's dispatches, collectives included);
+    # its choices are never used: every plan carries rank 0's K
+    policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
+    runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                    max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
+                    device=torch.device(dev), policy=policy)
+    if policy is not None:
+        runner.calibrate()
+    follow(runner)
 
 
 def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:
@@ -146,8 +171,9 @@ def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None
 
 
 def serve_node(config: Any) -> int:
-    """`dsv4 serve --node-rank R` (R > 0): this host's ranks join rank 0's group and run its
-    steps until rank 0 stops (exit 0) or the group fails (`RankError`). Binds no socket."""
+    """`dsv4 serve --node-rank R` (R > 0), or any command's RANK > 0 under torchrun: this
+    host's ranks join rank 0's group and run its steps until rank 0 stops (exit 0) or the
+    group fails (`RankError`). Binds no socket."""
     ranks = Ranks(config)
     try:
         _follow_rank(ranks.first, config, ranks.device)
@@ -160,14 +186,15 @@ def serve_node(config: Any) -> int:
 
 class Ranks:
     """A host's handle on its other ranks: this process is the host's first rank (rank 0
-    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each)."""
+    on node 0) and spawns the rest (`--nnodes` hosts run T / nnodes ranks each). Under
+    torchrun this process is rank RANK and spawns nothing (torchrun started the others)."""
 
     def __init__(self, config: Any):
-        T, N = config.tensor_parallel_size, config.nnodes
-        per_host = T // N
-        self.first = config.node_rank * per_host
-        addr = config.master_addr or "127.0.0.1"
-        port = config.master_port or _free_port()
+        T, N, launch = config.tensor_parallel_size, config.nnodes, config.launch
+        per_host = T // N if launch is None else 1  # the ranks this process starts, itself included
+        self.first = config.node_rank * per_host if launch is None else launch.rank
+        addr = config.master_addr or "127.0.0.1" if launch is None else launch.master_addr
+        port = config.master_port or _free_port() if launch is None else launch.master_port
         ctx = mp.get_context("spawn")
         self.procs, self.pipes = [], []
         for r in range(self.first + 1, self.first + per_host):
@@ -183,11 +210,17 @@ class Ranks:
             _join(self.first, config, addr, port, self.device)
         except Exception as e:
             self.close()
+            if launch is not None:
+                raise RankError(f"torchrun: RANK {self.first} of WORLD_SIZE {T} could not join the group at "
+                                f"MASTER_ADDR {addr} MASTER_PORT {port} within {config.rendezvous_timeout:g} s "
+                                f"({type(e).__name__})") from None
             if self.first > 0:
                 raise RankError(f"--nnodes {N}: rank 0 did not answer at --master-addr {addr} --master-port {port} "
                                 f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None
             raise RankError(f"--tensor-parallel-size {T}: the other ranks did not join within "
                             f"{config.rendezvous_timeout:g} s ({type(e).__name__})") from None
+        if parallel._CHANNEL is not None and self.procs:  # waiting for a dead rank's ack fails at once
+            parallel._CHANNEL.check = self.check
 
     @property
     def pids(self) -> list[int]:

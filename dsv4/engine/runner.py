@@ -117,7 +117,7 @@ class Runner:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
         last have none). Under tensor parallelism rank 0 first sends the plan (`ranks`)."""
         if parallel.world_size() > 1 and parallel.rank() == 0:
-            parallel.broadcast_object(plan_message(prefills, decodes, self.drafts))
+            parallel.broadcast_object(plan_message(prefills, decodes, self.drafts, self.k_draft))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         off = 0

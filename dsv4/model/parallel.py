@@ -24,6 +24,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from torch import nn
 from ..config import ModelConfig
 
 _GROUP: dist.ProcessGroup | None = None
+_CHANNEL: Any = None  # replaces broadcast_object_list when set (engine.transport.ShmChannel, one host)
 STATS: dict[str, list] = {}  # collective -> [calls, seconds] on this rank (benchmarks/parallel.py)
 
 
@@ -47,17 +49,19 @@ class ParallelError(ValueError):
 
 # ------------------------------------------------------------------ the group
 def init(rank: int, world: int, master_addr: str, master_port: int, *, backend: str = "gloo",
-         timeout_s: float = 60.0, rendezvous_s: float | None = None) -> None:
+         timeout_s: float = 60.0, rendezvous_s: float | None = None, serve_store: bool | None = None) -> None:
     """Join the group of `world` ranks rendezvousing at master_addr:master_port (TCP store,
-    served by rank 0). `rendezvous_s` (default `timeout_s`) bounds the wait for the others;
-    `timeout_s` bounds every collective (a dead peer cannot hang a rank)."""
+    served by rank 0, or by torchrun's agent: `serve_store` False on every rank).
+    `rendezvous_s` (default `timeout_s`) bounds the wait for the others; `timeout_s`
+    bounds every collective (a dead peer cannot hang a rank)."""
     global _GROUP
     timeout = datetime.timedelta(seconds=timeout_s)
     wait = rendezvous_s if rendezvous_s is not None else timeout_s
     meet = datetime.timedelta(seconds=wait)
-    if rank != 0:
+    is_master = rank == 0 if serve_store is None else serve_store
+    if not is_master:
         _wait_for_master(master_addr, master_port, wait)
-    store = dist.TCPStore(master_addr, master_port, world, is_master=rank == 0, timeout=meet,
+    store = dist.TCPStore(master_addr, master_port, world, is_master=is_master, timeout=meet,
                           wait_for_workers=False)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _GROUP = dist.group.WORLD
@@ -77,9 +81,18 @@ def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
+def set_channel(channel: Any) -> None:
+    """Send `broadcast_object`'s messages through `channel` (its `broadcast(obj)`; None: the group)."""
+    global _CHANNEL
+    _CHANNEL = channel
+
+
 def close() -> None:
     """Leave the group (a no-op when none was joined)."""
-    global _GROUP
+    global _GROUP, _CHANNEL
+    if _CHANNEL is not None:
+        _CHANNEL.close()
+        _CHANNEL = None
     if _GROUP is not None:
         dist.destroy_process_group()
         _GROUP = None
@@ -129,14 +142,19 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_object(obj: object = None) -> object:
-    """Rank 0's `obj` on every rank (the engine's per-step plan and results)."""
+    """Rank 0's `obj` on every rank (the engine's per-step plan and results), through the
+    channel when one is set, else `broadcast_object_list`."""
     if _GROUP is None:
         return obj
     t0 = time.perf_counter()
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    if _CHANNEL is not None:
+        out = _CHANNEL.broadcast(obj)
+    else:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        out = box[0]
     _count("broadcast_object", t0)
-    return box[0]
+    return out
 
 
 # ------------------------------------------------------------------ who holds what

@@ -6,6 +6,7 @@ and a host whose master never answers fails in one line."""
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -89,6 +90,7 @@ def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
         assert client.returncode != 0 and "tensor-parallel rank 1" in err and len(err.strip().splitlines()) == 1, err
         assert d.proc.wait(60) == 1, d.log.read_text()
         assert wait_until(lambda: not any(alive(k) for k in kids), timeout=15), [k for k in kids if alive(k)]
+        assert not glob.glob(f"/dev/shm/dsv4-plan-{d.proc.pid}-*")  # the plan channel left nothing behind
     finally:
         if client.poll() is None:
             client.kill()

@@ -2,7 +2,8 @@
 slices of a tiny checkpoint, give the single-process model's logits (to 1e-5: the
 all_reduces reorder sums) for the stateless forward, a chunked prefill + decode through
 the slot state, and the MTP block; w8a8 too (a row-parallel int8 slice is quantised with its whole rows'
-scales, so only the order of the float32 sums differs there as well)."""
+scales, so only the order of the float32 sums differs there as well); T = 4 on the
+variant of the tiny config whose split dimensions divide by 4 (`tiny.TP4`)."""
 
 from __future__ import annotations
 
@@ -59,37 +60,39 @@ def run_model(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, port: int, ckpt: str, quant: str, out: str) -> None:
+def _rank_main(rank: int, world: int, port: int, ckpt: str, quant: str, out: str) -> None:
     try:
         torch.set_num_threads(1)
-        parallel.init(rank, WORLD, "127.0.0.1", port, timeout_s=120)
-        model = load_model(ckpt, quantization=quant, rank=rank, world=WORLD)
+        parallel.init(rank, world, "127.0.0.1", port, timeout_s=120)
+        model = load_model(ckpt, quantization=quant, rank=rank, world=world)
         res = run_model(model)
         res["weight_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
         torch.save(res, f"{out}.{rank}")
+        torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
         parallel.close()
     except BaseException:
         traceback.print_exc()
         raise SystemExit(1)
 
 
-def run_parallel(ckpt: Path, quant: str, tmp: Path) -> list[dict[str, torch.Tensor]]:
-    """Run `run_model` on WORLD spawned ranks; every rank's results."""
+def run_parallel(ckpt: Path, quant: str, tmp: Path, world: int = WORLD) -> list[dict[str, torch.Tensor]]:
+    """Run `run_model` on `world` spawned ranks; every rank's results."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(ckpt), quant, str(tmp / "out"))) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(ckpt), quant, str(tmp / "out")))
+             for r in range(world)]
     for p in procs:
         p.start()
     try:
         for p in procs:
             p.join(TIMEOUT_S)
-        assert [p.exitcode for p in procs] == [0] * WORLD
+        assert [p.exitcode for p in procs] == [0] * world
     finally:
         for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [torch.load(tmp / f"out.{r}") for r in range(WORLD)]
+    return [torch.load(tmp / f"out.{r}") for r in range(world)]
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +123,20 @@ def test_two_ranks_equal_one(fp8_checkpoint: Path, tmp_path: Path, quant: str):
     sizes = [int(r["weight_bytes"]) for r in outs]
     assert all(s < full_bytes for s in sizes), (sizes, full_bytes)  # no rank holds the whole model
     assert sum(sizes) > full_bytes  # replicated parts count on every rank
+
+
+def test_four_ranks_equal_one(tmp_path: Path):
+    """T = 4: one attention head, one output group, two index heads and two experts per rank."""
+    from tests.model.tiny import TP4
+
+    torch.set_num_threads(1)
+    ckpt = tmp_path / "ck"
+    write_tiny_checkpoint(ckpt, with_tokenizer=False, vocab_size=256, **TP4)
+    ref = run_model(load_model(ckpt))
+    for res in run_parallel(ckpt, "none", tmp_path, world=4):
+        for key in ("whole", "stateful", "mtp"):
+            torch.testing.assert_close(res[key], ref[key], rtol=1e-5, atol=1e-5, msg=key)
+            assert torch.equal(res[key].argmax(-1), ref[key].argmax(-1)), key
 
 
 def test_bad_world_size_is_refused():

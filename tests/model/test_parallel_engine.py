@@ -1,10 +1,14 @@
 """The engine at --tensor-parallel-size 2 (rank 0 here, rank 1 spawned, gloo on CPU):
 greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
-process token for token (none and w8a8); a killed rank fails the step and leaves no
-process behind; a size that does not divide the model is refused before loading."""
+process token for token (none and w8a8), with auto K (any K sequence) equals K = 0, and at --tensor-parallel-size 4 (on the tiny
+config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
+behind (nor anything in /dev/shm); a size that does not divide the model is refused
+before loading."""
 
 from __future__ import annotations
 
+import glob
+import itertools
 import os
 import signal
 import time
@@ -15,6 +19,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.config import EngineConfig, EngineConfigError
 from dsv4.engine.ranks import RankError
+from dsv4.model import parallel
 from tests.checkpoints import write_tiny_checkpoint
 
 GEN = 8
@@ -32,10 +37,14 @@ def _prompts():
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (5, 37, 70)]
 
 
-def _run(ckpt, T: int, K: int, quantization: str) -> list[list[int]]:
+def _run(ckpt, T: int, K: int | str, quantization: str, gen: int = GEN, schedule: list[int] | None = None
+         ) -> list[list[int]]:
     with LLM(ckpt, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3, max_model_len=128,
              prefill_limit=16, quantization=quantization) as llm:
-        outs = llm.generate(_prompts(), SamplingParams(max_tokens=GEN, ignore_eos=True))
+        if schedule is not None:  # auto K: rank 0's policy follows `schedule` (cycled)
+            ks = itertools.cycle(schedule)
+            llm.engine.policy.choose = lambda batch: next(ks)
+        outs = llm.generate(_prompts(), SamplingParams(max_tokens=gen, ignore_eos=True))
     return [c.token_ids for c in outs]
 
 
@@ -46,6 +55,32 @@ def test_two_ranks_generate_what_one_does(ckpt, quantization, K):
         ref = _run(ckpt, 1, K, quantization)
         assert all(len(r) == GEN for r in ref)
         assert _run(ckpt, 2, K, quantization) == ref
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_auto_k_at_two_ranks_equals_k0(ckpt):
+    """Auto K at T = 2: every plan carries rank 0's K, so rank 1's MTP backlog follows; K
+    flapping, and a pause longer than the MTP window (12), over prefill chunk boundaries."""
+    threads = torch.get_num_threads()
+    try:
+        ref = _run(ckpt, 1, 0, "none", gen=24)
+        assert all(len(r) == 24 for r in ref)
+        schedule = [3, 0, 1, 2, 0, 0, 3, 1] + [0] * 14 + [2, 3]
+        assert _run(ckpt, 2, "auto", "none", gen=24, schedule=schedule) == ref
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_four_ranks_generate_what_one_does(tmp_path):
+    from tests.model.tiny import TP4
+
+    write_tiny_checkpoint(tmp_path, **TP4)
+    threads = torch.get_num_threads()
+    try:
+        ref = _run(tmp_path, 1, 1, "none")
+        assert all(len(r) == GEN for r in ref)
+        assert _run(tmp_path, 4, 1, "none") == ref
     finally:
         torch.set_num_threads(threads)
 
@@ -67,6 +102,7 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
     llm = LLM(ckpt, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
     try:
         pids = llm.engine.ranks.pids
+        assert type(parallel._CHANNEL).__name__ == "ShmChannel"  # one host: the plans go through shared memory
         llm.engine.add_request(_prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()  # mid-request
         os.kill(pids[0], signal.SIGKILL)
@@ -80,6 +116,7 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in pids)
+    assert not glob.glob(f"/dev/shm/dsv4-plan-{os.getpid()}-*")  # nothing left in /dev/shm
 
 
 def test_size_that_does_not_divide_is_refused(ckpt):

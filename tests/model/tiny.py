@@ -50,3 +50,9 @@ def tiny_dict(**over) -> dict:
 
 def tiny_config(**over) -> ModelConfig:
     return ModelConfig.from_dict(tiny_dict(**over))
+
+
+# The variant whose every split dimension divides by 4 (tensor parallelism at T = 4):
+# 4 attention heads, 8 index heads, 4 output groups (the base config has 2), 8 routed
+# experts; vocabularies of the test checkpoints (128, 256, 4096) all divide by 4.
+TP4 = {"o_groups": 4}
