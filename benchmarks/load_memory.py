@@ -54,7 +54,7 @@ print(json.dumps({"param_bytes": nbytes, "peak_rss": resource.getrusage(resource
 def make(out: str) -> None:
     import torch
 
-    from dsv4.model.checkpoint import save_checkpoint
+    from dsv4.model.save import save_checkpoint
     from dsv4.model.model import DeepseekV4, init_random
     sys.path.insert(0, str(ROOT))
     from tests.model.tiny import tiny_config, tiny_dict

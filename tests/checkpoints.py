@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 import dsv4
-from dsv4.model.checkpoint import save_checkpoint
+from dsv4.model.save import save_checkpoint
 from dsv4.model.model import DeepseekV4, init_random
 from tests.model.tiny import tiny_config, tiny_dict
 

@@ -4,7 +4,7 @@
 
 Reads every tensor of ``--from`` (dequantised to float32, so meant for small test
 checkpoints: the whole model is held in memory), then writes ``--out`` with
-``dsv4.model.checkpoint.save_checkpoint``: FP8/FP4 weights when ``--quantize``,
+``dsv4.model.save.save_checkpoint``: FP8/FP4 weights when ``--quantize``,
 ``--shards`` files plus an index when N > 1. The config.json is carried over.
 """
 
@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from dsv4.model.checkpoint import CheckpointError, read_checkpoint, save_checkpoint
+from dsv4.model.checkpoint import CheckpointError, read_checkpoint
+from dsv4.model.save import save_checkpoint
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from dsv4.config import ModelConfig
 from dsv4.engine.tokenizer import Tokenizer
-from dsv4.model.checkpoint import save_checkpoint
+from dsv4.model.save import save_checkpoint
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.state import Batch
 

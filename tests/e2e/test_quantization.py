@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.model.checkpoint import save_checkpoint
+from dsv4.model.save import save_checkpoint
 from dsv4.model.model import DeepseekV4, init_random
 from tests.checkpoints import TOKENIZER_DIR
 from tests.e2e.util import Daemon, dsv4, env_for, run_json, short_dir, status

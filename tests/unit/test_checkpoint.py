@@ -11,9 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4.model import quant
-from dsv4.model.checkpoint import (
-    CheckpointError, check_tensors, official_storage, read_checkpoint, save_checkpoint,
-)
+from dsv4.model.checkpoint import CheckpointError, check_tensors, official_storage, read_checkpoint
+from dsv4.model.save import save_checkpoint
 from dsv4.model.quant import dequantize_fp4, dequantize_fp8, e8m0_bytes, quantize_fp4, quantize_fp8
 
 ROOT = Path(__file__).resolve().parents[2]
