@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 

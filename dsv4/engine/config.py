@@ -39,17 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4.config import ConfigError, ModelConfig
 
+from .checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
+                     check_tensor_parallel, resolve_dtype, resolve_quantization, weight_names)
+
 if TYPE_CHECKING:
     from dsv4.engine.launch import Launch
 
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
 DEFAULT_MAX_MODEL_LEN = 2048
 MTP_PREFIX = "mtp.0."
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class EngineConfigError(ValueError):
-    """An engine configuration that cannot run; the message names the CLI flag to change."""
 
 
 @dataclass(frozen=True)
@@ -91,21 +89,21 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("model", _check_model_dir(self.model))
-        set_("device", _check_device(self.device))
-        set_("dtype", _resolve_dtype(self.dtype, self.device))
-        _check_int("--max-num-seqs", self.max_num_seqs, minimum=1)
-        _check_int("--long-prefill-token-threshold", self.long_prefill_token_threshold, minimum=0,
+        set_("model", check_model_dir(self.model))
+        set_("device", check_device(self.device))
+        set_("dtype", resolve_dtype(self.dtype, self.device))
+        check_int("--max-num-seqs", self.max_num_seqs, minimum=1)
+        check_int("--long-prefill-token-threshold", self.long_prefill_token_threshold, minimum=0,
                    hint="0 = no extra limit")
-        _check_int("--seed", self.seed, minimum=0)
+        check_int("--seed", self.seed, minimum=0)
         if not isinstance(self.enable_chunked_prefill, bool):
             raise EngineConfigError(f"--enable-chunked-prefill must be true or false, "
                                     f"got {self.enable_chunked_prefill!r}")
         if self.profile_dir is not None:
-            set_("profile_dir", _check_profile_dir(self.profile_dir))
+            set_("profile_dir", check_profile_dir(self.profile_dir))
         if self.threads is None:
             set_("threads", default_threads())
-        _check_int("--threads", self.threads, minimum=1)
+        check_int("--threads", self.threads, minimum=1)
         set_("sampling_defaults", generation_defaults(Path(self.model)))
 
         try:
@@ -117,13 +115,13 @@ class EngineConfig:
 
         set_("launch", torchrun_launch())
         resolve_tensor_parallel(self, set_)
-        _check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
+        check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
                                self.nnodes if self.launch is None else self.tensor_parallel_size // self.launch.local_world,
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
-        _check_hosts(self)
+        check_hosts(self)
         set_("plan_transport", resolve_transport(self))
-        set_("quantization", _resolve_quantization(self.quantization, self.model, self.device))
-        names = _weight_names(Path(self.model))
+        set_("quantization", resolve_quantization(self.quantization, self.model, self.device))
+        names = weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
 
         # Speculative decoding.
@@ -134,7 +132,7 @@ class EngineConfig:
         if auto:
             k = self.mtp_depth  # 0 without MTP weights
         set_("speculative_auto", bool(auto or self.speculative_auto) and self.has_mtp and k > 0)
-        _check_int("--num-speculative-tokens", k, minimum=0, hint="or auto")
+        check_int("--num-speculative-tokens", k, minimum=0, hint="or auto")
         if k > MAX_SPECULATIVE_TOKENS:
             raise EngineConfigError(f"--num-speculative-tokens {k} is out of range; "
                                     f"use 0..{MAX_SPECULATIVE_TOKENS} (0 = off)")
@@ -150,7 +148,7 @@ class EngineConfig:
 
         # Prefill limit and step budget.
         plimit = mc.prefill_limit if self.prefill_limit is None else self.prefill_limit
-        _check_int("prefill_limit", plimit, minimum=1)
+        check_int("prefill_limit", plimit, minimum=1)
         if plimit > mc.prefill_limit:
             raise EngineConfigError(f"prefill_limit {plimit} exceeds the prefill limit {mc.prefill_limit} of "
                                     f"deepseek_v4 (the kernel's tile); it may only be lowered "
@@ -159,7 +157,7 @@ class EngineConfig:
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = plimit + self.max_num_seqs * (1 + k)
-        _check_int("--max-num-batched-tokens", budget, minimum=1)
+        check_int("--max-num-batched-tokens", budget, minimum=1)
         if self.speculative_auto and budget < 1 + k:  # auto: at most the drafts the budget holds
             k = budget - 1
             set_("num_speculative_tokens", k)
@@ -177,7 +175,7 @@ class EngineConfig:
             mml = min(max_pos, DEFAULT_MAX_MODEL_LEN)
             if self.single_dispatch:
                 mml = min(mml, self.single_dispatch_limit)
-        _check_int("--max-model-len", mml, minimum=2, hint="one prompt token plus one generated token")
+        check_int("--max-model-len", mml, minimum=2, hint="one prompt token plus one generated token")
         if mml > max_pos:
             raise EngineConfigError(f"--max-model-len {mml} exceeds the model's max_position_embeddings "
                                     f"{max_pos}; lower --max-model-len to {max_pos}")
@@ -291,166 +289,3 @@ def generation_defaults(model_dir: Path) -> dict:
     if raw.get("do_sample") is False:
         out["temperature"] = 0.0
     return out
-
-
-# ---------------------------------------------------------------------- checks
-def _check_hosts(c: "EngineConfig") -> None:
-    """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
-    _check_int("--nnodes", c.nnodes, minimum=1)
-    _check_int("--node-rank", c.node_rank, minimum=0)
-    if c.node_rank >= c.nnodes:
-        raise EngineConfigError(f"--node-rank {c.node_rank} is out of range for --nnodes {c.nnodes} "
-                                f"(use 0..{c.nnodes - 1})")
-    if c.tensor_parallel_size % c.nnodes:
-        raise EngineConfigError(f"--tensor-parallel-size {c.tensor_parallel_size} is not a multiple of "
-                                f"--nnodes {c.nnodes} (each host runs the same number of ranks)")
-    if c.nnodes > 1 and (c.master_addr is None or c.master_port is None):
-        raise EngineConfigError(f"--nnodes {c.nnodes} needs --master-addr and --master-port "
-                                f"(the host of node rank 0 and a free port there)")
-    if c.master_port is not None:
-        _check_int("--master-port", c.master_port, minimum=1)
-        if c.master_port > 65535:
-            raise EngineConfigError(f"--master-port {c.master_port} is not a TCP port (1..65535)")
-    if not isinstance(c.rendezvous_timeout, (int, float)) or c.rendezvous_timeout <= 0:
-        raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
-                                f"got {c.rendezvous_timeout!r}")
-
-
-def _check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
-                           flag: str = "--tensor-parallel-size") -> None:
-    """--tensor-parallel-size (or torchrun's WORLD_SIZE): divides every split dimension; one
-    device per rank of a host."""
-    from dsv4.model.parallel import ParallelError, check_sizes
-
-    _check_int(flag, T, minimum=1)
-    try:
-        check_sizes(mc, T, flag)
-    except ParallelError as e:
-        raise EngineConfigError(str(e)) from None
-    kind, sep, _ = device.partition(":")
-    if T > 1 and sep:
-        raise EngineConfigError(f"{flag} {T} gives rank r device {kind}:r; "
-                                f"use --device {kind} (not {device})")
-    if T > 1 and kind in ("cuda", "npu"):
-        import torch
-
-        n = getattr(torch, kind).device_count()
-        local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
-        if local > n:
-            raise EngineConfigError(f"{flag} {T} over {nnodes} host(s) needs {local} {kind} "
-                                    f"devices on each host; {n} are visible")
-
-
-def _check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        extra = f" ({hint})" if hint else ""
-        raise EngineConfigError(f"{flag} must be {what}{extra}, got {value!r}")
-
-
-def _check_model_dir(model: Any) -> str:
-    if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise EngineConfigError(f"--model must be a checkpoint directory, got {model!r}")
-    p = Path(model).expanduser()
-    if not p.exists():
-        raise EngineConfigError(f"--model {p}: no such directory")
-    if not p.is_dir():
-        raise EngineConfigError(f"--model {p} is not a directory; pass the checkpoint directory")
-    if not (p / "config.json").is_file():
-        raise EngineConfigError(f"--model {p}: no config.json; is this a DeepSeek V4 checkpoint directory?")
-    return str(p)
-
-
-def _check_device(device: Any) -> str:
-    if not isinstance(device, str):
-        raise EngineConfigError(f"--device must be a string such as cpu, cuda, cuda:0 or npu, got {device!r}")
-    kind, sep, idx = device.partition(":")
-    if kind not in ("cpu", "cuda", "npu") or (sep and not idx.isdigit()) or (kind == "cpu" and sep):
-        raise EngineConfigError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or npu")
-    if kind == "cpu":
-        return device
-    import torch
-
-    if kind == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except Exception as e:  # ImportError, or a broken CANN install
-            raise EngineConfigError(f"--device {device} needs the torch_npu package, which failed to import "
-                                    f"({type(e).__name__}: {e}); install torch_npu or use --device cpu") from None
-        backend = getattr(torch, "npu", None)
-    else:
-        backend = torch.cuda
-    if backend is None or not backend.is_available():
-        raise EngineConfigError(f"--device {device}: torch {torch.__version__} sees no {kind} device; "
-                                f"use --device cpu")
-    if sep and int(idx) >= backend.device_count():
-        raise EngineConfigError(f"--device {device}: only {backend.device_count()} {kind} device(s) are visible; "
-                                f"use --device {kind}:0")
-    return device
-
-
-def _resolve_dtype(dtype: Any, device: str) -> str:
-    if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    if dtype not in _DTYPES:
-        raise EngineConfigError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(_DTYPES)}")
-    return dtype
-
-
-def _resolve_quantization(value: Any, model_dir: str, device: str) -> str:
-    """--quantization (None = as stored) against the checkpoint's config.json and the device's kernels."""
-    from dsv4.model.checkpoint import QUANTIZATION_KEY, CheckpointError
-    from dsv4.model.loader import resolve_quantization
-
-    if value is not None and not isinstance(value, str):
-        raise EngineConfigError(f"--quantization must be none or w8a8, got {value!r}")
-    try:
-        stored = json.loads((Path(model_dir) / "config.json").read_text()).get(QUANTIZATION_KEY, "none")
-        q = resolve_quantization(value, str(stored), model_dir)
-    except (OSError, ValueError, AttributeError) as e:
-        raise EngineConfigError(f"--model {model_dir}: cannot read config.json ({e})") from None
-    except CheckpointError as e:
-        raise EngineConfigError(str(e)) from None
-    if q == "w8a8":
-        from dsv4.model.kernels import W8A8Error, check_kernel
-
-        try:
-            check_kernel(device)
-        except W8A8Error as e:
-            raise EngineConfigError(str(e)) from None
-    return q
-
-
-def _check_profile_dir(path: Any) -> str:
-    if not isinstance(path, (str, os.PathLike)) or not str(path):
-        raise EngineConfigError(f"--profile must be a directory path, got {path!r}")
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise EngineConfigError(f"--profile {p}: not a directory; create it first")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise EngineConfigError(f"--profile {p}: directory is not writable")
-    return str(p)
-
-
-def _weight_names(model_dir: Path) -> set[str]:
-    """Tensor names of a checkpoint, from the index or the safetensors headers only."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text()).get("weight_map")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
-            raise EngineConfigError(f"--model {model_dir}: cannot read {index.name} ({e})") from None
-        if not isinstance(wm, dict):
-            raise EngineConfigError(f"--model {model_dir}: {index.name} has no 'weight_map' object")
-        return set(wm)
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as h:  # reads the header only
-                names.update(h.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise EngineConfigError(f"--model {model_dir}: cannot read the safetensors header of {f.name} "
-                                    f"({e})") from None
-    return names

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .config import EngineConfigError
+from .checks import EngineConfigError
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

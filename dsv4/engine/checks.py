@@ -1,0 +1,187 @@
+"""The checks `EngineConfig` runs on its fields before any weight is read, and the one
+error they raise: `EngineConfigError`, whose one-line message names the flag to change.
+
+Each `check_*` validates one flag (or a group: the hosts, the tensor-parallel size
+against the model and the devices); each `resolve_*` also turns "auto"/None into the
+concrete value. They read the checkpoint's config.json and safetensors headers only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsv4.config import ModelConfig
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class EngineConfigError(ValueError):
+    """An engine configuration that cannot run; the message names the CLI flag to change."""
+
+
+def check_hosts(c: "EngineConfig") -> None:
+    """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
+    check_int("--nnodes", c.nnodes, minimum=1)
+    check_int("--node-rank", c.node_rank, minimum=0)
+    if c.node_rank >= c.nnodes:
+        raise EngineConfigError(f"--node-rank {c.node_rank} is out of range for --nnodes {c.nnodes} "
+                                f"(use 0..{c.nnodes - 1})")
+    if c.tensor_parallel_size % c.nnodes:
+        raise EngineConfigError(f"--tensor-parallel-size {c.tensor_parallel_size} is not a multiple of "
+                                f"--nnodes {c.nnodes} (each host runs the same number of ranks)")
+    if c.nnodes > 1 and (c.master_addr is None or c.master_port is None):
+        raise EngineConfigError(f"--nnodes {c.nnodes} needs --master-addr and --master-port "
+                                f"(the host of node rank 0 and a free port there)")
+    if c.master_port is not None:
+        check_int("--master-port", c.master_port, minimum=1)
+        if c.master_port > 65535:
+            raise EngineConfigError(f"--master-port {c.master_port} is not a TCP port (1..65535)")
+    if not isinstance(c.rendezvous_timeout, (int, float)) or c.rendezvous_timeout <= 0:
+        raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
+                                f"got {c.rendezvous_timeout!r}")
+
+
+def check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
+                           flag: str = "--tensor-parallel-size") -> None:
+    """--tensor-parallel-size (or torchrun's WORLD_SIZE): divides every split dimension; one
+    device per rank of a host."""
+    from dsv4.model.parallel import ParallelError, check_sizes
+
+    check_int(flag, T, minimum=1)
+    try:
+        check_sizes(mc, T, flag)
+    except ParallelError as e:
+        raise EngineConfigError(str(e)) from None
+    kind, sep, _ = device.partition(":")
+    if T > 1 and sep:
+        raise EngineConfigError(f"{flag} {T} gives rank r device {kind}:r; "
+                                f"use --device {kind} (not {device})")
+    if T > 1 and kind in ("cuda", "npu"):
+        import torch
+
+        n = getattr(torch, kind).device_count()
+        local = T // nnodes if isinstance(nnodes, int) and nnodes >= 1 and T % nnodes == 0 else T
+        if local > n:
+            raise EngineConfigError(f"{flag} {T} over {nnodes} host(s) needs {local} {kind} "
+                                    f"devices on each host; {n} are visible")
+
+
+def check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        extra = f" ({hint})" if hint else ""
+        raise EngineConfigError(f"{flag} must be {what}{extra}, got {value!r}")
+
+
+def check_model_dir(model: Any) -> str:
+    if not isinstance(model, (str, os.PathLike)) or not str(model):
+        raise EngineConfigError(f"--model must be a checkpoint directory, got {model!r}")
+    p = Path(model).expanduser()
+    if not p.exists():
+        raise EngineConfigError(f"--model {p}: no such directory")
+    if not p.is_dir():
+        raise EngineConfigError(f"--model {p} is not a directory; pass the checkpoint directory")
+    if not (p / "config.json").is_file():
+        raise EngineConfigError(f"--model {p}: no config.json; is this a DeepSeek V4 checkpoint directory?")
+    return str(p)
+
+
+def check_device(device: Any) -> str:
+    if not isinstance(device, str):
+        raise EngineConfigError(f"--device must be a string such as cpu, cuda, cuda:0 or npu, got {device!r}")
+    kind, sep, idx = device.partition(":")
+    if kind not in ("cpu", "cuda", "npu") or (sep and not idx.isdigit()) or (kind == "cpu" and sep):
+        raise EngineConfigError(f"--device {device!r} is not supported; use cpu, cuda, cuda:N or npu")
+    if kind == "cpu":
+        return device
+    import torch
+
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except Exception as e:  # ImportError, or a broken CANN install
+            raise EngineConfigError(f"--device {device} needs the torch_npu package, which failed to import "
+                                    f"({type(e).__name__}: {e}); install torch_npu or use --device cpu") from None
+        backend = getattr(torch, "npu", None)
+    else:
+        backend = torch.cuda
+    if backend is None or not backend.is_available():
+        raise EngineConfigError(f"--device {device}: torch {torch.__version__} sees no {kind} device; "
+                                f"use --device cpu")
+    if sep and int(idx) >= backend.device_count():
+        raise EngineConfigError(f"--device {device}: only {backend.device_count()} {kind} device(s) are visible; "
+                                f"use --device {kind}:0")
+    return device
+
+
+def resolve_dtype(dtype: Any, device: str) -> str:
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    if dtype not in DTYPES:
+        raise EngineConfigError(f"--dtype {dtype!r} is not supported; use auto, {', '.join(DTYPES)}")
+    return dtype
+
+
+def resolve_quantization(value: Any, model_dir: str, device: str) -> str:
+    """--quantization (None = as stored) against the checkpoint's config.json and the device's kernels."""
+    from dsv4.model.checkpoint import QUANTIZATION_KEY, CheckpointError
+    from dsv4.model.loader import resolve_quantization
+
+    if value is not None and not isinstance(value, str):
+        raise EngineConfigError(f"--quantization must be none or w8a8, got {value!r}")
+    try:
+        stored = json.loads((Path(model_dir) / "config.json").read_text()).get(QUANTIZATION_KEY, "none")
+        q = resolve_quantization(value, str(stored), model_dir)
+    except (OSError, ValueError, AttributeError) as e:
+        raise EngineConfigError(f"--model {model_dir}: cannot read config.json ({e})") from None
+    except CheckpointError as e:
+        raise EngineConfigError(str(e)) from None
+    if q == "w8a8":
+        from dsv4.model.kernels import W8A8Error, check_kernel
+
+        try:
+            check_kernel(device)
+        except W8A8Error as e:
+            raise EngineConfigError(str(e)) from None
+    return q
+
+
+def check_profile_dir(path: Any) -> str:
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise EngineConfigError(f"--profile must be a directory path, got {path!r}")
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        raise EngineConfigError(f"--profile {p}: not a directory; create it first")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise EngineConfigError(f"--profile {p}: directory is not writable")
+    return str(p)
+
+
+def weight_names(model_dir: Path) -> set[str]:
+    """Tensor names of a checkpoint, from the index or the safetensors headers only."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text()).get("weight_map")
+        except (OSError, json.JSONDecodeError, AttributeError) as e:
+            raise EngineConfigError(f"--model {model_dir}: cannot read {index.name} ({e})") from None
+        if not isinstance(wm, dict):
+            raise EngineConfigError(f"--model {model_dir}: {index.name} has no 'weight_map' object")
+        return set(wm)
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in sorted(model_dir.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as h:  # reads the header only
+                names.update(h.keys())
+        except Exception as e:  # safetensors raises its own error types
+            raise EngineConfigError(f"--model {model_dir}: cannot read the safetensors header of {f.name} "
+                                    f"({e})") from None
+    return names
