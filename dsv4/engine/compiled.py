@@ -100,7 +100,8 @@ def check_backend(device: torch.device) -> None:
 class CompiledSteps:
     """Compiled main/MTP decode dispatches by bucket over `state` (its last slot is scratch)."""
 
-    def __init__(self, model: DeepseekV4, state: ModelState, max_tokens: int, with_mtp: bool = True):
+    def __init__(self, model: DeepseekV4, state: ModelState, max_tokens: int, with_mtp: bool = True,
+                 mode: str | None = None):
         self.model, self.state, self.device = model, state, model.embed.weight.device
         self.static = StaticStep(model, state)
         self.scratch = state.max_slots - 1
@@ -112,19 +113,28 @@ class CompiledSteps:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 64 * len(self.buckets))
-        self._main = torch.compile(self.static.main, fullgraph=True, dynamic=False)
-        self._mtp = (torch.compile(self.static.mtp, fullgraph=True, dynamic=False)
+        if mode == "reduce-overhead":  # CUDA graphs replay fixed addresses: the state tensors are static
+            for ls in state.layers + ([state.mtp] if state.mtp is not None else []):
+                for t in ls.tensors():
+                    torch._dynamo.mark_static_address(t)
+        # mode: torch.compile's ("reduce-overhead" replays CUDA graphs; benchmarks/step_costs.py
+        # measures it on a GPU, the engine uses the default)
+        self._main = torch.compile(self.static.main, fullgraph=True, dynamic=False, mode=mode)
+        self._mtp = (torch.compile(self.static.mtp, fullgraph=True, dynamic=False, mode=mode)
                      if model.has_mtp and with_mtp else None)
 
     @torch.inference_mode()
-    def capture(self) -> float:
-        """Compile every bucket once (dispatches of scratch-slot tokens only); returns seconds."""
+    def capture(self, only: set[tuple[str, int]] | None = None) -> float:
+        """Compile every bucket once (dispatches of scratch-slot tokens only), or those in
+        `only` ((main | mtp, tokens) pairs); returns seconds."""
         t0 = time.perf_counter()
         hc, D = self.model.cfg.hc_mult, self.model.cfg.hidden_size
         for kind, fn in (("main", self._main), ("mtp", self._mtp)):
             if fn is None:
                 continue
             for n in self.buckets:
+                if only is not None and (kind, n) not in only:
+                    continue
                 ids, pos, slots = self._pad(torch.zeros(0, dtype=torch.long, device=self.device), n)
                 try:
                     if kind == "main":
