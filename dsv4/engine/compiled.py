@@ -140,7 +140,8 @@ class CompiledSteps:
                     if kind == "main":
                         fn(ids, pos, slots)
                     else:
-                        fn(ids, pos, slots, torch.zeros(n, hc, D, device=self.device, dtype=self.model.embed.weight.dtype))
+                        dt = self.model.embed.weight.dtype
+                        fn(ids, pos, slots, torch.zeros(n, hc, D, device=self.device, dtype=dt))
                     self.ready[(kind, n)] = True
                 except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
                     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

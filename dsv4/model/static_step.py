@@ -13,8 +13,10 @@ Every value here is a tensor op on tensors of a fixed shape for a given token co
   spare last entry row, which no query ever sees (the eager path picks closers on the host);
 * Sinkhorn as 20 unrolled float64 tensor iterations, summing left to right as the eager
   Python-float path does;
-* the MoE over every expert, weighted by the router's (mostly zero) weights, added in
-  expert order (the eager path lists the chosen experts on the host).
+* the MoE without an expert list (the eager path lists the chosen experts on the host):
+  for few tokens (tokens x top-k < experts) the chosen experts' weights are gathered
+  inside the reduction, otherwise every expert runs, weighted by the router's (mostly
+  zero) weights; either way the shares are added in increasing expert order, as eager.
 
 so `torch.compile(fullgraph=True, dynamic=False)` takes it whole. The state bookkeeping
 (`ModelState.begin`, lengths, rollback) stays with the caller. Results equal the eager
@@ -220,8 +222,7 @@ class StaticStep:
         entries.view(-1, d).index_copy_(0, slots * E + torch.where(close, w, E - 1), pooled)
 
     def _moe(self, ffn, i, x, ids):
-        """x [T, D] -> [T, D]: the shared expert plus every routed expert weighted by the
-        router (zero for the experts a token did not choose), in expert order."""
+        """x [T, D] -> [T, D]: the shared expert plus the chosen experts' shares, in expert order."""
         g = ffn.gate
         scores = F.softplus(x @ g.weight.t()).sqrt()  # [T, E]
         idx = g.tid2eid.index_select(0, ids) if g.hash else torch.topk(scores + g.bias, g.k, dim=-1).indices

@@ -109,4 +109,5 @@ def test_unsafe_cache_dir_runs_eager(ckpt, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     llm = LLM(ckpt, compile=True, max_num_seqs=1, max_model_len=64, num_speculative_tokens=0)
     assert llm.engine.runner.compiled is None
-    assert llm.engine.compile_note.startswith("compile: off (compile cache") and "other users" in llm.engine.compile_note
+    note = llm.engine.compile_note
+    assert note.startswith("compile: off (compile cache") and "other users" in note
