@@ -14,7 +14,7 @@ Every value here is a tensor op on tensors of a fixed shape for a given token co
 * Sinkhorn as 20 unrolled float64 tensor iterations, summing left to right as the eager
   Python-float path does;
 * the MoE without an expert list (the eager path lists the chosen experts on the host):
-  for few tokens (tokens x top-k < experts) the chosen experts' weights are gathered
+  for few tokens (tokens x top-k <= 4 x experts) the chosen experts' weights are gathered
   inside the reduction, otherwise every expert runs, weighted by the router's (mostly
   zero) weights; either way the shares are added in increasing expert order, as eager.
 
@@ -33,6 +33,11 @@ from .model import Block, DeepseekV4
 from .state import ModelState
 
 NEG = float("-inf")
+# The MoE gathers the chosen experts' weights while tokens x top-k <= GATHER_MAX x experts,
+# else runs every expert densely. Measured on the embedded model (8 experts, top-2, 1 thread,
+# BENCHMARKS.md): gathering made the compiled 8-token step 0.42x of eager instead of 0.86x
+# (dense), the 16-token one 0.48-0.53x instead of 0.81x.
+GATHER_MAX = 4
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -233,7 +238,7 @@ class StaticStep:
         E, I, D = w2.shape[0], w2.shape[2], x.shape[1]
         lim = ffn.experts[0].limit
         T, k = idx.shape
-        if T * k < E:  # few tokens: only the chosen experts' weights, gathered inside the reduction
+        if T * k <= GATHER_MAX * E:  # the chosen experts' weights, gathered inside the reduction
             idx, perm = idx.sort(dim=-1)  # the eager path adds experts in increasing order
             wk = wk.gather(1, perm)
             gu = (x[:, None, None, :] * w13.view(E, 2 * I, D)[idx]).sum(-1)  # [T, k, 2I]

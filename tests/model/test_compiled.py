@@ -111,3 +111,33 @@ def test_unsafe_cache_dir_runs_eager(ckpt, tmp_path, monkeypatch):
     assert llm.engine.runner.compiled is None
     note = llm.engine.compile_note
     assert note.startswith("compile: off (compile cache") and "other users" in note
+
+
+def test_failed_capture_names_its_bucket_and_runs_eager():
+    """A bucket whose capture raises is named in one line and left to eager; the others run
+    captured (here the uncompiled program stands in for the compiled one: no compile time)."""
+    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.model.model import DeepseekV4, init_random
+    from dsv4.model.state import Batch
+    from tests.model.tiny import tiny_config
+
+    model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
+    state = model.new_state(3, 64, max_chunk=8, max_spec=2)
+    steps = CompiledSteps(model, state, 4, with_mtp=False)
+
+    def main(ids, pos, slots):
+        if ids.shape[0] == 2:
+            raise RuntimeError("C++ compile error\nmore")
+        return steps.static.main(ids, pos, slots)
+
+    steps._main = main
+    steps.capture()
+    assert steps.ready == {("main", 1): True, ("main", 4): True}
+    assert len(steps.failed) == 1
+    assert "main bucket of 2 tokens failed (RuntimeError: C++ compile error)" in steps.failed[0]
+    with torch.inference_mode():
+        assert steps.main(Batch.build([(0, 0, [5, 6])]), None) is None  # bucket 2: the caller runs eager
+        assert state.lengths[0] == 0
+        h, logits = steps.main(Batch.build([(0, 0, [5, 6, 7])]), None)  # 3 tokens padded into bucket 4
+    assert h.shape[0] == 3 and logits.shape[0] == 3 and state.lengths[:2] == [3, 0]
+    assert steps.calls["main"] == 1

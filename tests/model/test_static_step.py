@@ -48,7 +48,7 @@ def _rows(state, rows, n, mtp=False):
     return out
 
 
-@pytest.mark.parametrize("rows,n", [(1, 1), (1, 2), (1, 4), (4, 1), (2, 3), (4, 2)])
+@pytest.mark.parametrize("rows,n", [(1, 1), (1, 2), (1, 4), (4, 1), (2, 3), (4, 2), (4, 5)])  # (4, 5): dense MoE
 def test_main_dispatch_equals_eager(setup, rows, n):
     model, state, st = setup
     with torch.inference_mode():
