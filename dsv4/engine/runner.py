@@ -21,6 +21,10 @@ the MTP block is window-only, so older ones are never read again), and the MTP c
 up over the backlog the next time the request drafts, which gives the same drafts as if
 it had never stopped (tested).
 
+With `--compile` the decode dispatch of a step without prefill chunks, and every MTP
+dispatch of short rows, run through the captured buckets of `compiled.CompiledSteps`
+(None returned: eager).
+
 The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
 the current drafts and the MTP backlog. The scheduler owns lengths and token lists.
 """
