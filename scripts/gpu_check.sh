@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared run for a lent NVIDIA machine (one call, a few minutes): the CUDA exactness
-# tests, the step-cost table on CUDA (the costs auto K weighs; eager: no CUDA-graph capture
-# exists yet, see BENCHMARKS.md), then the benchmark suite on CUDA, logs and tables into OUT.
+# tests, the step-cost table on CUDA (the costs auto K weighs), eager against the captured
+# dispatch of --compile replayed as CUDA graphs (mode reduce-overhead, state tensors marked
+# static), then the benchmark suite on CUDA, logs and tables into OUT.
 #
 #   bash scripts/gpu_check.sh OUT [DATA]
 #
@@ -24,6 +25,8 @@ python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; pr
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -m pytest -q -p no:cacheprovider tests/model/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log"
 python3 benchmarks/step_costs.py --device cuda --iters 100 2>&1 | tee "$OUT/step_costs.log"
+XDG_CACHE_HOME=/tmp/dsv4-gpu-cache timeout 480 python3 benchmarks/step_costs.py --device cuda --iters 100 --compile \
+    --compile-mode reduce-overhead 2>&1 | tee "$OUT/step_costs_cuda_graphs.log"
 python3 benchmarks/run.py --device cuda --data "$DATA" --out "$OUT" 2>&1 | tee "$OUT/bench.log"
 # tensor parallelism at T = 1 on the one lent GPU (the collectives are no-ops; T = 2 needs two devices),
 # then the gloo T = 2 exactness tests on the host's CPUs

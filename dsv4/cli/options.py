@@ -96,6 +96,11 @@ Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
          "[default: as the checkpoint is stored]")]
+Compile = Annotated[Optional[bool], typer.Option(
+    "--compile/--no-compile", rich_help_panel=ENGINE_PANEL, show_default=False,
+    help="Capture decode steps with torch.compile per bucket of token counts at startup (minutes on a "
+         "small CPU; cached under $XDG_CACHE_HOME/dsv4/inductor); falls back to eager where it cannot "
+         "[default: off]")]
 TensorParallel = Annotated[Optional[int], typer.Option(
     "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
     help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
@@ -125,6 +130,7 @@ ENGINE_FLAGS = {
     "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
     "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
+    "compile": "--compile",
 }
 
 
@@ -154,6 +160,8 @@ def engine_argv(kw: dict[str, Any]) -> list[str]:
         flag = ENGINE_FLAGS[key]
         if key == "enable_chunked_prefill":
             argv.append(flag if value else "--no-enable-chunked-prefill")
+        elif key == "compile":
+            argv.append(flag if value else "--no-compile")
         else:
             argv += [flag, str(value)]
     return argv

@@ -82,6 +82,7 @@ SETTING_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
+    "compile": "--compile",
 }
 
 
@@ -201,6 +202,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
                                                         for r, b in enumerate(engine.rank_weight_bytes)))
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
+        if getattr(engine, "compile_note", ""):
+            log.info("%s", engine.compile_note)
         if engine.policy is not None:
             log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
         soft, hard = raise_fd_limit()

@@ -6,7 +6,7 @@ flag maps to one field:
 
     --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
     --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
-    --num-speculative-tokens --seed --profile --quantization
+    --num-speculative-tokens --seed --profile --quantization --compile/--no-compile
 
 Defaults that depend on the checkpoint are resolved when the config is built, so the
 fields of a built config always hold concrete values (except `profile_dir`):
@@ -76,6 +76,7 @@ class EngineConfig:
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
     plan_transport: str = "auto"  # built: "shm" (one host, T > 1) or "object"; no flag (LLM, benchmarks)
+    compile: bool = False  # --compile: decode dispatches captured per bucket at startup (engine/compiled.py)
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -99,6 +100,8 @@ class EngineConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise EngineConfigError(f"--enable-chunked-prefill must be true or false, "
                                     f"got {self.enable_chunked_prefill!r}")
+        if not isinstance(self.compile, bool):
+            raise EngineConfigError(f"--compile must be true or false, got {self.compile!r}")
         if self.profile_dir is not None:
             set_("profile_dir", check_profile_dir(self.profile_dir))
         if self.threads is None:

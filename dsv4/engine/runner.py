@@ -21,6 +21,10 @@ the MTP block is window-only, so older ones are never read again), and the MTP c
 up over the backlog the next time the request drafts, which gives the same drafts as if
 it had never stopped (tested).
 
+With `--compile` the decode dispatch of a step without prefill chunks, and every MTP
+dispatch of short rows, run through the captured buckets of `compiled.CompiledSteps`
+(None returned: eager).
+
 The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
 the current drafts and the MTP backlog. The scheduler owns lengths and token lists.
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.profiler import record_function
@@ -41,6 +45,9 @@ from .ranks import plan_message
 from .request import Request
 from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
 from .spec_policy import SpecPolicy
+
+if TYPE_CHECKING:
+    from .compiled import CompiledSteps
 
 
 @dataclass
@@ -57,13 +64,17 @@ class Runner:
     """Runs planned steps on a `DeepseekV4` with slot state for `max_num_seqs` requests."""
 
     def __init__(self, model: DeepseekV4, *, max_num_seqs: int, max_model_len: int, max_chunk: int,
-                 num_spec: int, device: torch.device, policy: SpecPolicy | None = None):
+                 num_spec: int, device: torch.device, policy: SpecPolicy | None = None,
+                 scratch_slot: bool = False):
         self.model, self.device, self.num_spec = model, device, num_spec
+        self.max_num_seqs = max_num_seqs
+        self.compiled: CompiledSteps | None = None  # --compile: captured decode dispatches (engine.py)
         self.policy = policy  # auto K: times the dispatches for it
         self.k_draft = num_spec  # drafts to make this step (auto: set by the engine before each step)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> (t0, h rows, x_{t+1})
         self.timed = {"verify": 0.0, "draft": 0.0}  # seconds spent in this step's dispatches (auto)
-        self.state = model.new_state(max_num_seqs, max_model_len + num_spec + 1,
+        # scratch_slot: one more slot, owned by no request, that compiled buckets pad into
+        self.state = model.new_state(max_num_seqs + int(scratch_slot), max_model_len + num_spec + 1,
                                      max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1)
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
@@ -87,7 +98,7 @@ class Runner:
         the MTP (1 row of 1, 2 and 1 + K tokens, max_num_seqs rows of 1 and 1 + K tokens),
         best of `repeats` after a warm-up, into the policy's cost tables (running steps
         refine them). The slots used are freed again."""
-        pol, S, K = self.policy, self.state.max_slots, self.num_spec
+        pol, S, K = self.policy, self.max_num_seqs, self.num_spec
         shapes = sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)})
         for b, n in shapes:
             rows = [(s, 0, [0] * n) for s in range(b)]
@@ -97,11 +108,11 @@ class Runner:
                 for s in range(b):
                     self.state.free(s)
                 t = time.perf_counter()
-                hidden, logits = self.model.forward_batch(Batch.build(rows, self.device), self.state)
+                hidden, logits = self._forward(Batch.build(rows, self.device), None, decode=True)
                 logits.argmax(dim=-1).tolist()
                 t_draft = time.perf_counter()
                 if self.model.has_mtp:
-                    _, lg = self.model.mtp_forward(Batch.build(rows, self.device), hidden, self.state, last)
+                    _, lg = self._mtp_forward(Batch.build(rows, self.device), hidden, last)
                     lg.argmax(dim=-1).tolist()
                 if rep:
                     best_v, best_d = min(best_v, t_draft - t), min(best_d, time.perf_counter() - t_draft)
@@ -147,7 +158,7 @@ class Runner:
         batch = Batch.build(rows, self.device)
         logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
-            hidden, logits = self.model.forward_batch(batch, self.state, logit_idx)
+            hidden, logits = self._forward(batch, logit_idx, decode=not prefills)
         with record_function("dsv4.sample_verify"):
             # rank 0 samples; under tensor parallelism the other ranks take its choices
             results = parallel.broadcast_object(self._sample_verify(samples, logits) if parallel.rank() == 0 else None)
@@ -162,6 +173,22 @@ class Runner:
             if not prefills:  # a pure decode step: its cost by token count
                 self.policy.verify.observe(off, t_draft - t)
         return results
+
+    def _forward(self, batch: Batch, logit_idx: torch.Tensor | None, decode: bool):
+        """The main model's dispatch: a captured bucket for a decode step under --compile, else eager."""
+        if decode and self.compiled is not None:
+            out = self.compiled.main(batch, logit_idx)
+            if out is not None:
+                return out
+        return self.model.forward_batch(batch, self.state, logit_idx)
+
+    def _mtp_forward(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None):
+        """The MTP's dispatch: a captured bucket when its rows are short under --compile, else eager."""
+        if self.compiled is not None:
+            out = self.compiled.mtp(batch, hid, head_idx)
+            if out is not None:
+                return out
+        return self.model.mtp_forward(batch, hid, self.state, head_idx)
 
     def _sample_verify(self, samples, logits: torch.Tensor) -> dict[int, StepResult]:
         """First tokens of finished prefills (drafts None); accepted drafts + one target
@@ -210,7 +237,7 @@ class Runner:
     def _mtp(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None, timed: bool):
         """One MTP dispatch -> (z [T, hc, D], argmax draft per head row); timed for auto K."""
         t = time.perf_counter()
-        z, logits = self.model.mtp_forward(batch, hid, self.state, head_idx)
+        z, logits = self._mtp_forward(batch, hid, head_idx)
         top = logits.argmax(dim=-1).tolist()
         if timed and self.policy is not None:
             self.policy.draft.observe(len(batch.input_ids), time.perf_counter() - t)

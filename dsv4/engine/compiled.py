@@ -1,0 +1,223 @@
+"""Captured decode dispatches (`--compile`): `torch.compile` of `StaticStep` per bucket.
+
+`CompiledSteps(model, state, max_tokens, with_mtp)` compiles the main model's and the MTP's
+decode-shaped dispatch (`dsv4.model.static_step`) for every bucket of token counts
+1, 2, 4, ... up to `max_tokens` at startup (`capture()`), then `main(batch)` /
+`mtp(batch, hidden)` run a batch padded up to its bucket, or return None when the batch
+does not qualify (a long row, more tokens than the largest bucket, a bucket whose
+capture failed): the caller then runs the eager model, which stays the reference.
+
+Padding tokens write into a scratch slot, the last slot of the state, which no
+request owns. The state's bookkeeping (`ModelState.begin`) is done here for the real
+rows only, exactly as `forward_batch` does it.
+
+Inductor's on-disk cache holds compiled code that this process loads and runs, so it
+must not live in a directory another user can write (its default is
+`/tmp/torchinductor_$USER`): `private_cache_dir()` points `TORCHINDUCTOR_CACHE_DIR`
+(and `TRITON_CACHE_DIR`) at `$XDG_CACHE_HOME/dsv4/inductor` (else
+`~/.cache/dsv4/inductor`), created 0700 and refused unless it is ours and private.
+A second startup finds its compiled buckets there and captures much faster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+
+import torch
+
+from ..model.attention import ROW_MIN
+from ..model.model import DeepseekV4
+from ..model.state import Batch, ModelState
+from ..model.static_step import StaticStep
+
+log = logging.getLogger("dsv4.compile")
+
+
+class CompileUnavailable(RuntimeError):
+    """`--compile` cannot work here (no C++ compiler for inductor, an unsafe cache dir)."""
+
+
+def buckets(max_tokens: int) -> list[int]:
+    """Token-count buckets 1, 2, 4, ... up to the first power of two >= max_tokens."""
+    out = [1]
+    while out[-1] < max_tokens:
+        out.append(out[-1] * 2)
+    return out
+
+
+def private_cache_dir() -> Path:
+    """Point inductor's (and triton's) cache at a private per-user directory, created 0700;
+    raise `CompileUnavailable` if it exists but is a symlink, not ours or not private."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    d = root / "dsv4" / "inductor"
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        raise CompileUnavailable(f"cannot create the compile cache {root}: {e.strerror}") from None
+    for p in (d.parent, d):
+        try:
+            os.mkdir(p, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise CompileUnavailable(f"cannot create the compile cache {p}: {e.strerror}") from None
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise CompileUnavailable(f"compile cache {p} is not a plain directory; remove it")
+        if st.st_uid != os.getuid():
+            raise CompileUnavailable(f"compile cache {p} belongs to uid {st.st_uid}, not to you; "
+                                     f"remove it or set XDG_CACHE_HOME")
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            raise CompileUnavailable(f"compile cache {p} is open to other users "
+                                     f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
+    os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
+    return d
+
+
+def check_backend(device: torch.device) -> None:
+    """Raise `CompileUnavailable` when inductor has no compiler for `device`."""
+    if device.type == "cpu":
+        try:
+            from torch._inductor import cpp_builder
+
+            cxx = cpp_builder.get_cpp_compiler()
+        except Exception as e:  # noqa: BLE001 (inductor raises its own types for a missing compiler)
+            raise CompileUnavailable(f"no C++ compiler for inductor ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        if not (os.path.isfile(cxx) or any(os.path.isfile(os.path.join(p, cxx))
+                                           for p in os.environ.get("PATH", "").split(os.pathsep))):
+            raise CompileUnavailable(f"no C++ compiler for inductor ({cxx} not found)")
+    elif device.type != "cuda":
+        raise CompileUnavailable(f"no compile backend for --device {device.type}")
+
+
+class CompiledSteps:
+    """Compiled main/MTP decode dispatches by bucket over `state` (its last slot is scratch)."""
+
+    def __init__(self, model: DeepseekV4, state: ModelState, max_tokens: int, with_mtp: bool = True,
+                 mode: str | None = None):
+        self.model, self.state, self.device = model, state, model.embed.weight.device
+        self.static = StaticStep(model, state)
+        self.scratch = state.max_slots - 1
+        self.buckets = buckets(max_tokens)
+        self.ready: dict[tuple[str, int], bool] = {}  # (main | mtp, bucket) -> captured
+        self.failed: list[str] = []  # one line per bucket whose capture failed
+        self.calls = {"main": 0, "mtp": 0}  # dispatches that ran captured
+        self.capture_s = 0.0
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.buckets) + 8)
+        torch._dynamo.config.accumulated_recompile_limit = max(
+            torch._dynamo.config.accumulated_recompile_limit, 64 * len(self.buckets))
+        if mode == "reduce-overhead":  # CUDA graphs replay fixed addresses: the state tensors are static
+            for ls in state.layers + ([state.mtp] if state.mtp is not None else []):
+                for t in ls.tensors():
+                    torch._dynamo.mark_static_address(t)
+        # mode: torch.compile's ("reduce-overhead" replays CUDA graphs; benchmarks/step_costs.py
+        # measures it on a GPU, the engine uses the default)
+        self._main = torch.compile(self.static.main, fullgraph=True, dynamic=False, mode=mode)
+        self._mtp = (torch.compile(self.static.mtp, fullgraph=True, dynamic=False, mode=mode)
+                     if model.has_mtp and with_mtp else None)
+
+    @torch.inference_mode()
+    def capture(self, only: set[tuple[str, int]] | None = None) -> float:
+        """Compile every bucket once (dispatches of scratch-slot tokens only), or those in
+        `only` ((main | mtp, tokens) pairs); returns seconds."""
+        t0 = time.perf_counter()
+        hc, D = self.model.cfg.hc_mult, self.model.cfg.hidden_size
+        for kind, fn in (("main", self._main), ("mtp", self._mtp)):
+            if fn is None:
+                continue
+            for n in self.buckets:
+                if only is not None and (kind, n) not in only:
+                    continue
+                ids, pos, slots = self._pad(torch.zeros(0, dtype=torch.long, device=self.device), n)
+                try:
+                    if kind == "main":
+                        fn(ids, pos, slots)
+                    else:
+                        dt = self.model.embed.weight.dtype
+                        fn(ids, pos, slots, torch.zeros(n, hc, D, device=self.device, dtype=dt))
+                    self.ready[(kind, n)] = True
+                except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    self.failed.append(f"capture of the {kind} bucket of {n} tokens failed "
+                                       f"({type(e).__name__}: {msg[:200]}); it runs eager")
+                    log.warning(self.failed[-1])
+        self.capture_s = time.perf_counter() - t0
+        return self.capture_s
+
+    def _pad(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scratch tokens [n - len(x)] for padding: ids 0 at position 0 of the scratch slot."""
+        z = lambda: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731 (distinct tensors:
+        return z(), z(), torch.full((n,), self.scratch, dtype=torch.long, device=self.device)  # dynamo guards aliasing)
+
+    def _bucket(self, kind: str, batch: Batch) -> int | None:
+        T = batch.input_ids.shape[0]
+        if T == 0 or T > self.buckets[-1] or any(n >= ROW_MIN for _, _, n in batch.rows):
+            return None
+        n = next(b for b in self.buckets if b >= T)
+        return n if self.ready.get((kind, n)) else None
+
+    def _padded(self, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T = batch.input_ids.shape[0]
+        if T == n:
+            return batch.input_ids, batch.positions, batch.slots
+        ids, pos, slots = self._pad(batch.input_ids, n - T)
+        return (torch.cat([batch.input_ids, ids]), torch.cat([batch.positions, pos]),
+                torch.cat([batch.slots, slots]))
+
+    def main(self, batch: Batch, logits_index: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`forward_batch(batch, state, logits_index)` through the captured bucket, or None."""
+        n = self._bucket("main", batch)
+        if n is None:
+            return None
+        out = self._run("main", n, batch, self._main, *self._padded(batch, n))
+        if out is None:
+            return None
+        T = batch.input_ids.shape[0]
+        h, logits = out
+        return h[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
+
+    def mtp(self, batch: Batch, hidden: torch.Tensor, logits_index: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`mtp_forward(batch, hidden, state, logits_index)` through the captured bucket, or None."""
+        if self._mtp is None:
+            return None
+        n = self._bucket("mtp", batch)
+        if n is None:
+            return None
+        T = batch.input_ids.shape[0]
+        if T < n:
+            hidden = torch.cat([hidden, hidden.new_zeros(n - T, *hidden.shape[1:])])
+        out = self._run("mtp", n, batch, self._mtp, *self._padded(batch, n), hidden)
+        if out is None:
+            return None
+        z, logits = out
+        return z[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
+
+    def _run(self, kind: str, n: int, batch: Batch, fn, *args):
+        """Begin the state's rows, then run the captured bucket without evaluating its guards
+        (every call has the captured shapes). Should it refuse anyway (it would have to
+        recompile), the rows are un-begun, the bucket marked failed and None returned, so the
+        caller runs eager."""
+        lengths = self.state.mtp_lengths if kind == "mtp" else self.state.lengths
+        saved = [(slot, lengths[slot]) for slot, _, _ in batch.rows]
+        self.state.begin(batch, mtp=kind == "mtp")
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                out = fn(*args)
+            self.calls[kind] += 1
+            return out
+        except Exception as e:  # noqa: BLE001 (a guard failure: from now on this bucket runs eager)
+            for slot, length in saved:
+                lengths[slot] = length
+            self.ready[(kind, n)] = False
+            log.warning("--compile: the %s bucket of %d tokens failed (%s: %s); it runs eager from now on",
+                        kind, n, type(e).__name__, str(e).strip().splitlines()[0][:200] if str(e).strip() else "")
+            return None

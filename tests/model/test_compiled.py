@@ -1,0 +1,143 @@
+"""`--compile` (dsv4/engine/compiled.py) on a small random checkpoint, fp32 on CPU.
+
+* Compiled equals eager: greedy chains token for token with MTP K = 1 and 2, prompts across
+  chunk boundaries (the decode and draft dispatches run captured; prefill chunks eager),
+  and the captured dispatches actually ran. Logits of single dispatches are compared
+  with eager to a tolerance in test_static_step.py (the same program, uncompiled).
+* Bad input: no C++ compiler (`CXX=/nonexistent`) gives one warning line and eager output.
+* The compile cache is private: created 0700 under $XDG_CACHE_HOME/dsv4/inductor, and a
+  directory another user could write is refused (eager, with the reason).
+
+Compiling is the slow part (tens of seconds a bucket on a small CPU): the model is as
+small as still covers a hash layer, a CSA layer with its indexer and the MTP block, and
+the inductor cache lives in build/ (ignored by git), so later runs find it warm.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.compiled import CompileUnavailable, buckets, private_cache_dir
+from tests.checkpoints import write_tiny_checkpoint
+from tests.e2e.util import dsv4, env_for
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = dict(num_hidden_layers=2, compress_ratios=[0, 4, 0], hc_sinkhorn_iters=2, index_topk=3)
+
+
+@pytest.fixture(scope="module")
+def cache_home():
+    d = ROOT / "build" / "test-cache"
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("small")
+    write_tiny_checkpoint(d, **SMALL)
+    return d
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_compiled_greedy_equals_eager(ckpt, cache_home, k):
+    prompts = _prompts([1, 5, 37, 50])  # 37 and 50 tokens: three and four chunks of 16
+    sp = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(max_num_seqs=1, max_model_len=128, prefill_limit=16, num_speculative_tokens=k)
+    ref = [c.token_ids for c in LLM(ckpt, **kw).generate(prompts, sp)]
+    llm = LLM(ckpt, compile=True, **kw)
+    steps = llm.engine.runner.compiled
+    assert steps is not None, llm.engine.compile_note
+    assert "captured" in llm.engine.compile_note and not steps.failed
+    assert steps.buckets == buckets(1 + k)
+    out = [c.token_ids for c in llm.generate(prompts, sp)]
+    assert out == ref
+    assert steps.calls["main"] > 0 and steps.calls["mtp"] > 0
+
+
+def test_no_compiler_falls_back_to_eager(ckpt, cache_home):
+    args = ("run", "--local", "--model", str(ckpt), "--max-tokens", "6", "--ignore-eos", "--raw",
+            "--num-speculative-tokens", "1", "To be")
+    ref = dsv4(*args, timeout=120)
+    assert ref.returncode == 0, ref.stderr
+    r = dsv4(*args, "--compile", timeout=120, env=env_for(CXX="/nonexistent", XDG_CACHE_HOME=str(cache_home)))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ref.stdout
+    warn = [line for line in r.stderr.splitlines() if "--compile" in line]
+    assert len(warn) == 1 and "no C++ compiler" in warn[0] and "running eager" in warn[0], r.stderr
+
+
+def test_cache_dir_private(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    d = private_cache_dir()
+    assert d == tmp_path / "c" / "dsv4" / "inductor"
+    for p in (d, d.parent):
+        st = os.lstat(p)
+        assert stat.S_IMODE(st.st_mode) == 0o700 and st.st_uid == os.getuid()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(d)
+    d.chmod(0o777)  # another user could plant compiled code here: refused
+    with pytest.raises(CompileUnavailable, match="open to other users"):
+        private_cache_dir()
+    d.rmdir()
+    (tmp_path / "elsewhere").mkdir()
+    d.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(CompileUnavailable, match="not a plain directory"):
+        private_cache_dir()
+
+
+def test_unsafe_cache_dir_runs_eager(ckpt, tmp_path, monkeypatch):
+    (tmp_path / "dsv4").mkdir(mode=0o777)
+    (tmp_path / "dsv4").chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    llm = LLM(ckpt, compile=True, max_num_seqs=1, max_model_len=64, num_speculative_tokens=0)
+    assert llm.engine.runner.compiled is None
+    note = llm.engine.compile_note
+    assert note.startswith("compile: off (compile cache") and "other users" in note
+
+
+def test_failed_capture_names_its_bucket_and_runs_eager():
+    """A bucket whose capture raises is named in one line and left to eager; the others run
+    captured (here the uncompiled program stands in for the compiled one: no compile time)."""
+    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.model.model import DeepseekV4, init_random
+    from dsv4.model.state import Batch
+    from tests.model.tiny import tiny_config
+
+    model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
+    state = model.new_state(3, 64, max_chunk=8, max_spec=2)
+    steps = CompiledSteps(model, state, 4, with_mtp=False)
+
+    def main(ids, pos, slots):
+        if ids.shape[0] == 2:
+            raise RuntimeError("C++ compile error\nmore")
+        return steps.static.main(ids, pos, slots)
+
+    steps._main = main
+    steps.capture()
+    assert steps.ready == {("main", 1): True, ("main", 4): True}
+    assert len(steps.failed) == 1
+    assert "main bucket of 2 tokens failed (RuntimeError: C++ compile error)" in steps.failed[0]
+    with torch.inference_mode():
+        assert steps.main(Batch.build([(0, 0, [5, 6])]), None) is None  # bucket 2: the caller runs eager
+        assert state.lengths[0] == 0
+        h, logits = steps.main(Batch.build([(0, 0, [5, 6, 7])]), None)  # 3 tokens padded into bucket 4
+    assert h.shape[0] == 3 and logits.shape[0] == 3 and state.lengths[:2] == [3, 0]
+    assert steps.calls["main"] == 1
