@@ -177,14 +177,16 @@ def fake_params(d: dict) -> Any:
 
 
 class Harness:
-    def __init__(self, engine: FakeEngine, heartbeat_timeout: float) -> None:
+    """A `Server` over a fake engine in a thread, on a short ipc socket; `kw` go to `Server`
+    (heartbeat_timeout, api_key, the flood guards)."""
+
+    def __init__(self, engine: Any = None, **kw: Any) -> None:
         self.dir = tempfile.mkdtemp(prefix="dsv4t-", dir="/tmp")
         self.endpoint = f"ipc://{self.dir}/s.sock"
         self.lock = paths.PidLock(paths.pid_file(self.endpoint))
         assert self.lock.acquire()
-        self.engine = engine
-        self.server = Server(engine, self.endpoint, model_name="fake", heartbeat_timeout=heartbeat_timeout,
-                             make_params=fake_params)
+        self.engine = engine or FakeEngine()
+        self.server = Server(self.engine, self.endpoint, model_name="fake", make_params=fake_params, **kw)
         self.server.bind()
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

@@ -30,7 +30,7 @@ from dsv4.daemon import paths
 from dsv4.daemon import protocol as P
 from dsv4.daemon.client import Client, DaemonError
 from dsv4.daemon.server import Server
-from tests.unit.test_protocol import FakeEngine, collect, fake_params
+from tests.unit.test_protocol import FakeEngine, Harness, collect, fake_params
 
 OTHER_UID = 12345
 as_root = pytest.mark.skipif(os.getuid() != 0, reason="making a directory owned by another uid needs root")
@@ -193,28 +193,6 @@ def test_serve_on_a_public_address_without_a_key_is_a_usage_error() -> None:
     r = subprocess.run([*CMD, "serve", "--socket", "tcp://0.0.0.0:5999"], env=env, stdin=subprocess.DEVNULL,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--api-key" in r.stderr and "DSV4_API_KEY" in r.stderr, r.stderr
-
-
-class Harness:
-    """A `Server` over a fake engine in a thread, on a short ipc socket, with the given guards."""
-
-    def __init__(self, engine: Any = None, **kw: Any) -> None:
-        self.dir = tempfile.mkdtemp(prefix="dsv4t-", dir="/tmp")
-        self.endpoint = f"ipc://{self.dir}/s.sock"
-        self.lock = paths.PidLock(paths.pid_file(self.endpoint))
-        assert self.lock.acquire()
-        self.engine = engine or FakeEngine()
-        self.server = Server(self.engine, self.endpoint, model_name="fake", make_params=fake_params, **kw)
-        self.server.bind()
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.request_stop("test over")
-        self.thread.join(5)
-        self.server.close()
-        self.lock.release()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @pytest.fixture
