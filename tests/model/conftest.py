@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.w8a8 import to_w8a8
+from tests.checkpoints import write_tiny_checkpoint
 from tests.model.tiny import tiny_config
 
 
@@ -36,3 +39,11 @@ def prefill(model: DeepseekV4, state, slot: int, ids: list[int], plan: list[int]
         start += n
     assert start == len(ids)
     return torch.cat(hs), torch.cat(ls)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default tiny checkpoint (`write_tiny_checkpoint`), written once for the engine tests."""
+    d = tmp_path_factory.mktemp("tiny-checkpoint")
+    write_tiny_checkpoint(d)
+    return d

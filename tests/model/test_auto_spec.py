@@ -10,16 +10,8 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
-from tests.checkpoints import write_tiny_checkpoint
 
 GEN = 24
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    write_tiny_checkpoint(d)
-    return d
 
 
 def _prompts(lengths, seed=0):
@@ -48,12 +40,12 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("name", SCHEDULES)
-def test_greedy_auto_equals_k0(ckpt, name):
+def test_greedy_auto_equals_k0(tiny_checkpoint, name):
     prompts = _prompts([1, 5, 40, 129])
     sp = SamplingParams(max_tokens=GEN, ignore_eos=True)
     kw = dict(max_num_seqs=4, max_model_len=256, prefill_limit=16)
-    ref = [c.token_ids for c in LLM(ckpt, num_speculative_tokens=0, **kw).generate(prompts, sp)]
-    llm = LLM(ckpt, num_speculative_tokens="auto", **kw)
+    ref = [c.token_ids for c in LLM(tiny_checkpoint, num_speculative_tokens=0, **kw).generate(prompts, sp)]
+    llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", **kw)
     assert llm.engine.policy is not None and llm.engine.calibration_s > 0
     chosen = _scripted(llm, SCHEDULES[name]) if SCHEDULES[name] else []
     out = llm.generate(prompts, sp)
@@ -68,11 +60,11 @@ def test_greedy_auto_equals_k0(ckpt, name):
     assert [c.token_ids for c in llm.generate(prompts[2:3], sp)] == ref[2:3]
 
 
-def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(ckpt):
+def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(tiny_checkpoint):
     """K = 0 for a while (the MTP skips, its pairs wait in a trimmed backlog), then K = 1:
     each draft equals the first draft of a K = 1 engine prefilled with the same tokens."""
     prompt = _prompts([30], seed=5)[0]
-    llm = LLM(ckpt, num_speculative_tokens="auto", max_num_seqs=1, max_model_len=256)
+    llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", max_num_seqs=1, max_model_len=256)
     _scripted(llm, [0] * 18 + [1] * 100)
     seen: dict[int, list[int]] = {}  # output length when drafted -> drafts
     caches: dict[int, tuple[int, torch.Tensor]] = {}  # ... -> (MTP length, its window rows)
@@ -87,7 +79,7 @@ def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(ckpt):
     (out,) = llm.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))
     first = min(seen)
     assert first > 12  # the first drafts came after a backlog longer than the MTP window
-    ref = LLM(ckpt, num_speculative_tokens=1, max_num_seqs=1, max_model_len=256)
+    ref = LLM(tiny_checkpoint, num_speculative_tokens=1, max_num_seqs=1, max_model_len=256)
     got = {}
     ref.engine.runner.draft_override = lambda req, tokens, drafts: got.setdefault("d", list(drafts))
     for n in sorted(seen)[:4]:  # the catch-up itself and the steps after it

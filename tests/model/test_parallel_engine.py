@@ -25,21 +25,14 @@ from tests.checkpoints import write_tiny_checkpoint
 GEN = 8
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tp-engine")
-    write_tiny_checkpoint(d)
-    return d
-
-
 def _prompts():
     g = torch.Generator().manual_seed(0)
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (5, 37, 70)]
 
 
-def _run(ckpt, T: int, K: int | str, quantization: str, gen: int = GEN, schedule: list[int] | None = None
+def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GEN, schedule: list[int] | None = None
          ) -> list[list[int]]:
-    with LLM(ckpt, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3, max_model_len=128,
+    with LLM(tiny_checkpoint, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3, max_model_len=128,
              prefill_limit=16, quantization=quantization) as llm:
         if schedule is not None:  # auto K: rank 0's policy follows `schedule` (cycled)
             ks = itertools.cycle(schedule)
@@ -49,25 +42,25 @@ def _run(ckpt, T: int, K: int | str, quantization: str, gen: int = GEN, schedule
 
 
 @pytest.mark.parametrize(("quantization", "K"), [("none", 1), ("none", 2), ("w8a8", 2)])
-def test_two_ranks_generate_what_one_does(ckpt, quantization, K):
+def test_two_ranks_generate_what_one_does(tiny_checkpoint, quantization, K):
     threads = torch.get_num_threads()
     try:
-        ref = _run(ckpt, 1, K, quantization)
+        ref = _run(tiny_checkpoint, 1, K, quantization)
         assert all(len(r) == GEN for r in ref)
-        assert _run(ckpt, 2, K, quantization) == ref
+        assert _run(tiny_checkpoint, 2, K, quantization) == ref
     finally:
         torch.set_num_threads(threads)
 
 
-def test_auto_k_at_two_ranks_equals_k0(ckpt):
+def test_auto_k_at_two_ranks_equals_k0(tiny_checkpoint):
     """Auto K at T = 2: every plan carries rank 0's K, so rank 1's MTP backlog follows; K
     flapping, and a pause longer than the MTP window (12), over prefill chunk boundaries."""
     threads = torch.get_num_threads()
     try:
-        ref = _run(ckpt, 1, 0, "none", gen=24)
+        ref = _run(tiny_checkpoint, 1, 0, "none", gen=24)
         assert all(len(r) == 24 for r in ref)
         schedule = [3, 0, 1, 2, 0, 0, 3, 1] + [0] * 14 + [2, 3]
-        assert _run(ckpt, 2, "auto", "none", gen=24, schedule=schedule) == ref
+        assert _run(tiny_checkpoint, 2, "auto", "none", gen=24, schedule=schedule) == ref
     finally:
         torch.set_num_threads(threads)
 
@@ -97,9 +90,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
+def test_killed_rank_fails_the_step_and_leaves_nothing(tiny_checkpoint):
     threads = torch.get_num_threads()
-    llm = LLM(ckpt, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
+    llm = LLM(tiny_checkpoint, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
     try:
         pids = llm.engine.ranks.pids
         assert type(parallel._CHANNEL).__name__ == "ShmChannel"  # one host: the plans go through shared memory
@@ -119,9 +112,9 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(ckpt):
     assert not glob.glob(f"/dev/shm/dsv4-plan-{os.getpid()}-*")  # nothing left in /dev/shm
 
 
-def test_size_that_does_not_divide_is_refused(ckpt):
+def test_size_that_does_not_divide_is_refused(tiny_checkpoint):
     with pytest.raises(EngineConfigError, match=r"^--tensor-parallel-size 3 does not divide the model's attention "
                                                 r"heads \(4\)$"):
-        EngineConfig.create(str(ckpt), tensor_parallel_size=3)
+        EngineConfig.create(str(tiny_checkpoint), tensor_parallel_size=3)
     with pytest.raises(EngineConfigError, match="^--tensor-parallel-size must be a positive integer, got 0$"):
-        EngineConfig.create(str(ckpt), tensor_parallel_size=0)
+        EngineConfig.create(str(tiny_checkpoint), tensor_parallel_size=0)
