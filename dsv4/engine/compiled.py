@@ -109,7 +109,6 @@ class CompiledSteps:
         self.ready: dict[tuple[str, int], bool] = {}  # (main | mtp, bucket) -> captured
         self.failed: list[str] = []  # one line per bucket whose capture failed
         self.calls = {"main": 0, "mtp": 0}  # dispatches that ran captured
-        self.capture_s = 0.0
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 64 * len(self.buckets))
@@ -148,8 +147,7 @@ class CompiledSteps:
                     self.failed.append(f"capture of the {kind} bucket of {n} tokens failed "
                                        f"({type(e).__name__}: {msg[:200]}); it runs eager")
                     log.warning(self.failed[-1])
-        self.capture_s = time.perf_counter() - t0
-        return self.capture_s
+        return time.perf_counter() - t0
 
     def _pad(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Scratch tokens [n - len(x)] for padding: ids 0 at position 0 of the scratch slot."""
@@ -177,12 +175,7 @@ class CompiledSteps:
         n = self._bucket("main", batch)
         if n is None:
             return None
-        out = self._run("main", n, batch, self._main, *self._padded(batch, n))
-        if out is None:
-            return None
-        T = batch.input_ids.shape[0]
-        h, logits = out
-        return h[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
+        return self._unpad(self._run("main", n, batch, self._main, *self._padded(batch, n)), batch, logits_index)
 
     def mtp(self, batch: Batch, hidden: torch.Tensor, logits_index: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -196,10 +189,18 @@ class CompiledSteps:
         if T < n:
             hidden = torch.cat([hidden, hidden.new_zeros(n - T, *hidden.shape[1:])])
         out = self._run("mtp", n, batch, self._mtp, *self._padded(batch, n), hidden)
+        return self._unpad(out, batch, logits_index)
+
+    @staticmethod
+    def _unpad(out: tuple[torch.Tensor, torch.Tensor] | None, batch: Batch, logits_index: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A bucket's (hidden [n, ...], logits [n, V]) cut back to the batch's T real tokens
+        (the logits to `logits_index` when given); None passes through (the bucket refused)."""
         if out is None:
             return None
-        z, logits = out
-        return z[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
+        T = batch.input_ids.shape[0]
+        h, logits = out
+        return h[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
 
     def _run(self, kind: str, n: int, batch: Batch, fn, *args):
         """Begin the state's rows, then run the captured bucket without evaluating its guards

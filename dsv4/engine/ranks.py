@@ -90,8 +90,9 @@ def follow(runner: Any) -> None:
 
 def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
     """Every rank's resident weight bytes, in rank order (a collective: all ranks call it once after loading)."""
-    mine = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    dev = next(iter(model.state_dict().values())).device
+    tensors = list(model.state_dict().values())
+    mine = sum(t.numel() * t.element_size() for t in tensors)
+    dev = tensors[0].device
     return [int(b) for b in parallel.all_gather(torch.tensor([mine], dtype=torch.float64, device=dev)).tolist()]
 
 
