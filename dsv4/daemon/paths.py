@@ -105,10 +105,12 @@ def pid_file(endpoint: str) -> Path:
     return _runtime_base() / f"{name}.pid"
 
 
-def check_private_dir(d: Path, *, create: bool) -> bool:
+def check_private_dir(d: Path, *, create: bool, what: str = "socket directory",
+                      hint: str = UnsafePathError.hint) -> bool:
     """Refuse a directory another user could control; create it (0700) when missing and `create`.
 
-    True when `d` exists (and is trusted), False when it is missing and not created.
+    True when `d` exists (and is trusted), False when it is missing and not created. `what`
+    names the directory in the one-line errors and `hint` says what to do about it.
     """
     try:
         st = os.lstat(d)
@@ -121,22 +123,20 @@ def check_private_dir(d: Path, *, create: bool) -> bool:
         except FileExistsError:
             pass  # created meanwhile: checked below like any other
         except OSError as e:
-            raise PathError(f"cannot create the socket directory {d}: {e.strerror}") from None
+            raise PathError(f"cannot create the {what} {d}: {e.strerror}") from None
         st = os.lstat(d)
     except OSError as e:
-        raise PathError(f"cannot inspect the socket directory {d}: {e.strerror}") from None
+        raise PathError(f"cannot inspect the {what} {d}: {e.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError(f"socket directory {d} is a symlink, which another user could repoint; "
-                              f"{UnsafePathError.hint}")
+        raise UnsafePathError(f"{what} {d} is a symlink, which another user could repoint; {hint}")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError(f"socket directory {d} is not a directory; {UnsafePathError.hint}")
+        raise UnsafePathError(f"{what} {d} is not a directory; {hint}")
     if st.st_uid != os.getuid():
-        raise UnsafePathError(f"socket directory {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-                              f"{UnsafePathError.hint}")
+        raise UnsafePathError(f"{what} {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); {hint}")
     mode = stat.S_IMODE(st.st_mode)
     if mode & 0o077:
-        raise UnsafePathError(f"socket directory {d} has mode {mode:04o}, open to other users (need 0700); "
-                              f"{UnsafePathError.hint} (or chmod 700 it if it is yours to share with nobody)")
+        raise UnsafePathError(f"{what} {d} has mode {mode:04o}, open to other users (need 0700); "
+                              f"{hint} (or chmod 700 it if it is yours to share with nobody)")
     return True
 
 

@@ -165,23 +165,9 @@ def check_profile_dir(path: Any) -> str:
 
 def weight_names(model_dir: Path) -> set[str]:
     """Tensor names of a checkpoint, from the index or the safetensors headers only."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            wm = json.loads(index.read_text()).get("weight_map")
-        except (OSError, json.JSONDecodeError, AttributeError) as e:
-            raise EngineConfigError(f"--model {model_dir}: cannot read {index.name} ({e})") from None
-        if not isinstance(wm, dict):
-            raise EngineConfigError(f"--model {model_dir}: {index.name} has no 'weight_map' object")
-        return set(wm)
-    from safetensors import safe_open
+    from ..model.checkpoint import CheckpointError, tensor_names
 
-    names: set[str] = set()
-    for f in sorted(model_dir.glob("*.safetensors")):
-        try:
-            with safe_open(str(f), framework="pt") as h:  # reads the header only
-                names.update(h.keys())
-        except Exception as e:  # safetensors raises its own error types
-            raise EngineConfigError(f"--model {model_dir}: cannot read the safetensors header of {f.name} "
-                                    f"({e})") from None
-    return names
+    try:
+        return tensor_names(model_dir)
+    except CheckpointError as e:
+        raise EngineConfigError(f"--model {model_dir}: {e}") from None

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 import time
 from pathlib import Path
 
 import torch
 
+from ..daemon.paths import PathError, check_private_dir
 from ..model.attention import ROW_MIN
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
@@ -51,30 +51,19 @@ def buckets(max_tokens: int) -> list[int]:
 
 def private_cache_dir() -> Path:
     """Point inductor's (and triton's) cache at a private per-user directory, created 0700;
-    raise `CompileUnavailable` if it exists but is a symlink, not ours or not private."""
+    raise `CompileUnavailable` if it exists but is a symlink, not ours or not private
+    (the checks of the daemon's socket directory, `dsv4.daemon.paths.check_private_dir`)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
     d = root / "dsv4" / "inductor"
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for p in (d.parent, d):
+            check_private_dir(p, create=True, what="compile cache", hint="remove it or set XDG_CACHE_HOME")
     except OSError as e:
         raise CompileUnavailable(f"cannot create the compile cache {root}: {e.strerror}") from None
-    for p in (d.parent, d):
-        try:
-            os.mkdir(p, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as e:
-            raise CompileUnavailable(f"cannot create the compile cache {p}: {e.strerror}") from None
-        st = os.lstat(p)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise CompileUnavailable(f"compile cache {p} is not a plain directory; remove it")
-        if st.st_uid != os.getuid():
-            raise CompileUnavailable(f"compile cache {p} belongs to uid {st.st_uid}, not to you; "
-                                     f"remove it or set XDG_CACHE_HOME")
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            raise CompileUnavailable(f"compile cache {p} is open to other users "
-                                     f"(mode {stat.S_IMODE(st.st_mode):o}); chmod 700 it")
+    except PathError as e:
+        raise CompileUnavailable(str(e)) from None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
     os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
     return d
@@ -109,6 +98,10 @@ class CompiledSteps:
         self.ready: dict[tuple[str, int], bool] = {}  # (main | mtp, bucket) -> captured
         self.failed: list[str] = []  # one line per bucket whose capture failed
         self.calls = {"main": 0, "mtp": 0}  # dispatches that ran captured
+        self._inputs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # bucket -> ids, pos, slots
+        self._hidden: dict[int, torch.Tensor] = {}  # MTP bucket -> hidden [n, hc, D]
+        self._no_hidden = torch.zeros(0, model.cfg.hc_mult, model.cfg.hidden_size, device=self.device,
+                                      dtype=model.embed.weight.dtype)
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 64 * len(self.buckets))
@@ -127,20 +120,18 @@ class CompiledSteps:
         """Compile every bucket once (dispatches of scratch-slot tokens only), or those in
         `only` ((main | mtp, tokens) pairs); returns seconds."""
         t0 = time.perf_counter()
-        hc, D = self.model.cfg.hc_mult, self.model.cfg.hidden_size
         for kind, fn in (("main", self._main), ("mtp", self._mtp)):
             if fn is None:
                 continue
             for n in self.buckets:
                 if only is not None and (kind, n) not in only:
                     continue
-                ids, pos, slots = self._pad(torch.zeros(0, dtype=torch.long, device=self.device), n)
+                ids, pos, slots = self._padded(None, n)
                 try:
                     if kind == "main":
                         fn(ids, pos, slots)
                     else:
-                        dt = self.model.embed.weight.dtype
-                        fn(ids, pos, slots, torch.zeros(n, hc, D, device=self.device, dtype=dt))
+                        fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
                     self.ready[(kind, n)] = True
                 except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
                     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -149,11 +140,6 @@ class CompiledSteps:
                     log.warning(self.failed[-1])
         return time.perf_counter() - t0
 
-    def _pad(self, x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Scratch tokens [n - len(x)] for padding: ids 0 at position 0 of the scratch slot."""
-        z = lambda: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731 (distinct tensors:
-        return z(), z(), torch.full((n,), self.scratch, dtype=torch.long, device=self.device)  # dynamo guards aliasing)
-
     def _bucket(self, kind: str, batch: Batch) -> int | None:
         T = batch.input_ids.shape[0]
         if T == 0 or T > self.buckets[-1] or any(n >= ROW_MIN for _, _, n in batch.rows):
@@ -161,13 +147,36 @@ class CompiledSteps:
         n = next(b for b in self.buckets if b >= T)
         return n if self.ready.get((kind, n)) else None
 
-    def _padded(self, batch: Batch, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        T = batch.input_ids.shape[0]
-        if T == n:
-            return batch.input_ids, batch.positions, batch.slots
-        ids, pos, slots = self._pad(batch.input_ids, n - T)
-        return (torch.cat([batch.input_ids, ids]), torch.cat([batch.positions, pos]),
-                torch.cat([batch.slots, slots]))
+    def _padded(self, batch: Batch | None, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The bucket's own input buffers (ids, pos, slots [n]) holding the batch's T tokens,
+        then scratch tokens up to n (ids 0 at position 0 of the scratch slot); batch None:
+        scratch tokens only. Refilled in place each call: no allocation per step, and on a
+        GPU the captured graph reads fixed addresses."""
+        if n not in self._inputs:
+            z = lambda: torch.zeros(n, dtype=torch.long, device=self.device)  # noqa: E731 (distinct tensors:
+            self._inputs[n] = (z(), z(), z())  # dynamo guards aliasing)
+        ids, pos, slots = self._inputs[n]
+        T = 0 if batch is None else batch.input_ids.shape[0]
+        if T:
+            ids[:T].copy_(batch.input_ids)
+            pos[:T].copy_(batch.positions)
+            slots[:T].copy_(batch.slots)
+        if T < n:
+            ids[T:].zero_()
+            pos[T:].zero_()
+            slots[T:].fill_(self.scratch)
+        return ids, pos, slots
+
+    def _hidden_in(self, hidden: torch.Tensor, n: int) -> torch.Tensor:
+        """The MTP bucket's hidden-state buffer [n, hc, D]: the T real rows, zeros after."""
+        buf = self._hidden.get(n)
+        if buf is None:
+            hc, D = self.model.cfg.hc_mult, self.model.cfg.hidden_size
+            buf = self._hidden[n] = torch.zeros(n, hc, D, device=self.device, dtype=self.model.embed.weight.dtype)
+        T = hidden.shape[0]
+        buf[:T].copy_(hidden)
+        buf[T:].zero_()
+        return buf
 
     def main(self, batch: Batch, logits_index: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -185,10 +194,7 @@ class CompiledSteps:
         n = self._bucket("mtp", batch)
         if n is None:
             return None
-        T = batch.input_ids.shape[0]
-        if T < n:
-            hidden = torch.cat([hidden, hidden.new_zeros(n - T, *hidden.shape[1:])])
-        out = self._run("mtp", n, batch, self._mtp, *self._padded(batch, n), hidden)
+        out = self._run("mtp", n, batch, self._mtp, *self._padded(batch, n), self._hidden_in(hidden, n))
         return self._unpad(out, batch, logits_index)
 
     @staticmethod

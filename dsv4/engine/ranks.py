@@ -220,8 +220,8 @@ class Ranks:
                                 f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None
             raise RankError(f"--tensor-parallel-size {T}: the other ranks did not join within "
                             f"{config.rendezvous_timeout:g} s ({type(e).__name__})") from None
-        if parallel._CHANNEL is not None and self.procs:  # waiting for a dead rank's ack fails at once
-            parallel._CHANNEL.check = self.check
+        if parallel.channel() is not None and self.procs:  # waiting for a dead rank's ack fails at once
+            parallel.channel().check = self.check
 
     @property
     def pids(self) -> list[int]:

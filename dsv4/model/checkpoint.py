@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
 
 import torch
-from safetensors import safe_open
+import safetensors
 
 from . import quant
 from .quant import dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape
@@ -208,15 +208,21 @@ def _read_config(root: Path) -> dict:
     return config
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The index's tensor name -> shard file name map (CheckpointError when unreadable)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        assert isinstance(weight_map, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"cannot parse {index} (need a 'weight_map' object): {e!r}") from None
+    return weight_map
+
+
 def _shard_files(root: Path) -> dict[Path, Optional[set[str]]]:
     """Shard files to read -> tensor names the index places there (None without an index)."""
     index = root / INDEX_NAME
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            assert isinstance(weight_map, dict)
-        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
-            raise CheckpointError(f"cannot parse {index} (need a 'weight_map' object): {e!r}") from None
+        weight_map = _weight_map(index)
         files: dict[Path, Optional[set[str]]] = {}
         for name, fname in weight_map.items():
             files.setdefault(root / fname, set()).add(name)  # type: ignore[union-attr]
@@ -231,10 +237,24 @@ def _shard_files(root: Path) -> dict[Path, Optional[set[str]]]:
     return {f: None for f in found}
 
 
+def tensor_names(root: Path) -> set[str]:
+    """Every tensor name of the checkpoint in `root`, from its index (the shards are not
+    opened) or else from the safetensors headers (no tensor data is read; no files: none);
+    CheckpointError when the index or a header is unreadable."""
+    if (root / INDEX_NAME).is_file():
+        return set(_weight_map(root / INDEX_NAME))
+    names: set[str] = set()
+    for file in sorted(root.glob("*.safetensors")):
+        with _open(file) as f:
+            names.update(f.keys())
+    return names
+
+
 def _open(file: Path) -> Any:
-    """``safe_open`` (memory mapped), with header/size corruption reported as CheckpointError."""
+    """`safetensors.safe_open` (memory mapped; looked up at call time, so tests can watch it),
+    with header/size corruption reported as CheckpointError."""
     try:
-        return safe_open(str(file), framework="pt", device="cpu")
+        return safetensors.safe_open(str(file), framework="pt", device="cpu")
     except Exception as e:  # SafetensorError, OSError, ...: the file itself is unusable
         raise CheckpointError(f"corrupt or unreadable safetensors file {file}: {e}") from None
 

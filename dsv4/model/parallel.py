@@ -87,6 +87,11 @@ def set_channel(channel: Any) -> None:
     _CHANNEL = channel
 
 
+def channel() -> Any:
+    """The channel set by `set_channel` (None: messages go through the group)."""
+    return _CHANNEL
+
+
 def close() -> None:
     """Leave the group (a no-op when none was joined)."""
     global _GROUP, _CHANNEL

@@ -18,11 +18,12 @@ from . import quant
 from .checkpoint import CONFIG_NAME, INDEX_NAME, QUANTIZATION_CONFIG, SINGLE_NAME, PathLike, official_storage, scale_name
 from .quant import fp4_scale_shape, fp8_scale_shape
 
-def _stored_nbytes(name: str, t: torch.Tensor, fmt: str, dtype: torch.dtype) -> int:
+def _stored_nbytes(t: torch.Tensor, fmt: str, dtype: torch.dtype) -> int:
     """Bytes a tensor (plus its scale) takes on disk in storage format ``fmt``."""
     n = t.numel()
     if fmt == "fp8":
-        return n + fp8_scale_shape(*t.shape)[0] * fp8_scale_shape(*t.shape)[1]
+        rows, cols = fp8_scale_shape(*t.shape)
+        return n + rows * cols
     if fmt == "fp4":
         return n // 2 + t.shape[0] * fp4_scale_shape(t.shape[0], t.shape[1] // 2)[1]
     if fmt == "f32":
@@ -71,7 +72,7 @@ def save_checkpoint(out_dir: PathLike, tensors: Mapping[str, torch.Tensor], conf
     if bad:
         raise ValueError(f"save_checkpoint expects dequantised tensors, got scale tensor {bad[0]!r}")
     fmts = {n: _storage(n, t, quantize) for n, t in tensors.items()}
-    sizes = {n: _stored_nbytes(n, t, fmts[n], dtype) for n, t in tensors.items()}
+    sizes = {n: _stored_nbytes(t, fmts[n], dtype) for n, t in tensors.items()}
     total = sum(sizes.values())
 
     # Contiguous split by cumulative size: a tensor goes to the shard holding its midpoint.

@@ -111,7 +111,7 @@ def test_cache_dir_private(tmp_path, monkeypatch):
     d.rmdir()
     (tmp_path / "elsewhere").mkdir()
     d.symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(CompileUnavailable, match="not a plain directory"):
+    with pytest.raises(CompileUnavailable, match="is a symlink"):
         private_cache_dir()
 
 
