@@ -7,6 +7,11 @@ decode-shaped dispatch (`dsv4.model.static_step`) for every bucket of token coun
 does not qualify (a long row, more tokens than the largest bucket, a bucket whose
 capture failed): the caller then runs the eager model, which stays the reference.
 
+On the CPU each bucket compiles with `CPU_OPTIONS` (a C++ wrapper, frozen weights, and
+inductor's C++ micro-GEMM for every matmul with a weight operand, see `_prefer_cpp_gemm`),
+with oneDNN off during the compile so that the result can be cached (inductor cannot store
+oneDNN-packed weights).
+
 Padding tokens write into a scratch slot, the last slot of the state, which no
 request owns. The state's bookkeeping (`ModelState.begin`) is done here for the real
 rows only, exactly as `forward_batch` does it.
@@ -21,9 +26,11 @@ A second startup finds its compiled buckets there and captures much faster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from typing import Iterator
 from pathlib import Path
 
 import torch
@@ -35,6 +42,44 @@ from ..model.state import Batch, ModelState
 from ..model.static_step import StaticStep
 
 log = logging.getLogger("dsv4.compile")
+
+# Inductor on the CPU (measured on the embedded model, BENCHMARKS.md "--compile"):
+# - cpp_wrapper: the compiled step calls its kernels from C++, not from a generated Python
+#   wrapper of about 1,000 small calls a dispatch;
+# - freezing: the weights become constants of the program, which lets the GEMM template
+#   pack them once, at capture;
+# - max_autotune over "CPP,ATEN": each matmul is timed both as inductor's C++ micro-GEMM and as
+#   MKL's, and the faster kept. MKL's small-M GEMM is slow here (2 rows cost twice 1 row);
+#   the micro-GEMM reads the weight once for every row of a bucket, so a 2-token verify
+#   costs about what a 1-token step does. The timings are cached with the compiled code.
+# (Autotuning's tables would go to stderr, which `dsv4 run` shares with the user: off.)
+CPU_OPTIONS: dict[str, object] = {"cpp_wrapper": True, "freezing": True, "max_autotune": True,
+                                  "max_autotune_gemm_backends": "CPP,ATEN", "autotune_num_choices_displayed": 0,
+                                  "max_autotune_report_choices_stats": False}
+
+
+def _prefer_cpp_gemm(choices: list) -> list:
+    """Autotuning's choices for one matmul cut to inductor's C++ GEMM where it applies (ATen's
+    where it does not), so nothing is timed: timing costs a C++ build of ~3 s a matmul at
+    capture, and the C++ GEMM won for 1 and 2 rows, by 3-5x, wherever both were timed on
+    the embedded model (BENCHMARKS.md); MKL's lead at 8 rows and more was within 10 %."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    if not _PREFER["active"]:  # another torch.compile of this process: left alone
+        return choices
+    cpp = [c for c in choices if isinstance(c, CppTemplateCaller)]
+    return cpp[:1] or choices
+
+
+_PREFER = {"registered": False, "active": False}  # _prefer_cpp_gemm: added to inductor once; on during capture
+
+
+def _register_prefer_cpp_gemm() -> None:
+    if not _PREFER["registered"]:
+        from torch._inductor.select_algorithm import add_preprocessing_fn
+
+        add_preprocessing_fn(_prefer_cpp_gemm)
+        _PREFER["registered"] = True
 
 
 class CompileUnavailable(RuntimeError):
@@ -110,7 +155,9 @@ class CompiledSteps:
                 for t in ls.tensors():
                     torch._dynamo.mark_static_address(t)
         # mode: torch.compile's ("reduce-overhead" replays CUDA graphs; benchmarks/step_costs.py
-        # measures it on a GPU, the engine uses the default)
+        # measures it on a GPU, the engine uses the default); on the CPU, CPU_OPTIONS instead
+        # (not torch.compile's options=: it leaves freezing off; capture() patches the config)
+        self.cpu_options = mode is None and self.device.type == "cpu"
         self._main = torch.compile(self.static.main, fullgraph=True, dynamic=False, mode=mode)
         self._mtp = (torch.compile(self.static.mtp, fullgraph=True, dynamic=False, mode=mode)
                      if model.has_mtp and with_mtp else None)
@@ -128,10 +175,11 @@ class CompiledSteps:
                     continue
                 ids, pos, slots = self._padded(None, n)
                 try:
-                    if kind == "main":
-                        fn(ids, pos, slots)
-                    else:
-                        fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
+                    with self._compiler_settings():
+                        if kind == "main":
+                            fn(ids, pos, slots)
+                        else:
+                            fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
                     self.ready[(kind, n)] = True
                 except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
                     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -139,6 +187,26 @@ class CompiledSteps:
                                        f"({type(e).__name__}: {msg[:200]}); it runs eager")
                     log.warning(self.failed[-1])
         return time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def _compiler_settings(self) -> Iterator[None]:
+        """Inductor's settings while a bucket compiles: CPU_OPTIONS on the CPU, with oneDNN
+        off for the compile, so that freezing leaves the matmuls to the GEMM template and MKL
+        instead of packing oneDNN weights, which inductor's cache cannot store (the compiled
+        program calls MKL or its own kernels either way, never oneDNN)."""
+        if not self.cpu_options:
+            yield
+            return
+        _register_prefer_cpp_gemm()
+        onednn = torch.backends.mkldnn.enabled  # (not mkldnn.flags(): it warns about TF32 each time)
+        torch.backends.mkldnn.enabled = False
+        _PREFER["active"] = True
+        try:
+            with torch._inductor.config.patch(CPU_OPTIONS):
+                yield
+        finally:
+            torch.backends.mkldnn.enabled = onednn
+            _PREFER["active"] = False
 
     def _bucket(self, kind: str, batch: Batch) -> int | None:
         T = batch.input_ids.shape[0]
