@@ -79,7 +79,7 @@ def serve(
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
                          tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
-    if detach and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
+    if detach and O.under_torchrun():
         raise CliError("--detach cannot be used under torchrun (it supervises the ranks); serve in the foreground",
                        O.EXIT_USAGE)
     O.torchrun_follower(kw)  # under torchrun, RANK > 0 follows rank 0's steps here and exits

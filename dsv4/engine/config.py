@@ -119,7 +119,7 @@ class EngineConfig:
         set_("launch", torchrun_launch())
         resolve_tensor_parallel(self, set_)
         check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
-                               self.nnodes if self.launch is None else self.tensor_parallel_size // self.launch.local_world,
+                               self.hosts,
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         check_hosts(self)
         set_("plan_transport", resolve_transport(self))
@@ -219,6 +219,16 @@ class EngineConfig:
         if not self.single_dispatch and self.long_prefill_token_threshold > 0:
             limit = min(limit, self.long_prefill_token_threshold)
         return limit
+
+    @property
+    def hosts(self) -> int:
+        """Hosts the ranks span: --nnodes, or WORLD_SIZE / LOCAL_WORLD_SIZE under torchrun."""
+        return self.nnodes if self.launch is None else self.launch.world // self.launch.local_world
+
+    @property
+    def ranks_per_host(self) -> int:
+        """Ranks on each host (LOCAL_WORLD_SIZE under torchrun)."""
+        return self.tensor_parallel_size // self.hosts
 
     @property
     def mtp_depth(self) -> int:

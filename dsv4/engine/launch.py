@@ -92,7 +92,7 @@ def resolve_transport(c: "EngineConfig") -> str:
 
     if c.plan_transport not in TRANSPORTS:
         raise EngineConfigError(f"plan_transport must be one of {', '.join(TRANSPORTS)}, got {c.plan_transport!r}")
-    one_host = c.nnodes == 1 and (c.launch is None or c.launch.local_world == c.launch.world)
+    one_host = c.hosts == 1
     if c.plan_transport == "shm" and not one_host:
         raise EngineConfigError("plan_transport shm needs every rank on one host; use object (or auto)")
     if c.plan_transport == "shm" and SHM_DIR is None:

@@ -115,7 +115,7 @@ def _local_device(config: Any, rank: int) -> str:
     """Rank `rank`'s device on its host (device index = its place among the host's ranks,
     LOCAL_RANK under torchrun); made current, or on CPU the host's cores shared among its ranks."""
     launch = config.launch
-    per_host = config.tensor_parallel_size // config.nnodes if launch is None else launch.local_world
+    per_host = config.ranks_per_host
     dev = rank_device(config.device, rank % per_host if launch is None else launch.local_rank)
     if dev != "cpu":
         getattr(torch, dev.partition(":")[0]).set_device(dev)

@@ -21,7 +21,7 @@ import zmq
 
 from dsv4.daemon import paths
 from dsv4.daemon.client import Client, _alive
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, short_dir, wait_until
+from tests.e2e.util import CMD, Daemon, dsv4, env_for, reap, short_dir, wait_until
 
 
 def run_in(cwd: Path, *args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -94,9 +94,7 @@ def test_tcp_daemon_with_a_key_answers_only_with_it(tiny_model: Path) -> None:
         assert dsv4("stop", "--socket", ep, env=env).returncode == 0
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
         shutil.rmtree(d, ignore_errors=True)
 
 

@@ -14,7 +14,7 @@ import socket
 import time
 from pathlib import Path
 
-from tests.e2e.util import Daemon, dsv4, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import Daemon, dsv4, reap, run_json, short_dir, spawn, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12
@@ -92,8 +92,7 @@ def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
         assert wait_until(lambda: not any(alive(k) for k in kids), timeout=15), [k for k in kids if alive(k)]
         assert not glob.glob(f"/dev/shm/dsv4-plan-{d.proc.pid}-*")  # the plan channel left nothing behind
     finally:
-        if client.poll() is None:
-            client.kill()
+        reap(client)
         d.cleanup()
 
 
@@ -114,9 +113,7 @@ def test_two_hosts_on_loopback_give_the_same_text(daemon: Daemon, tiny_model: Pa
         assert d.proc.wait(30) == 0
         assert other.wait(30) == 0, other.stderr.read()
     finally:
-        if other.poll() is None:
-            other.kill()
-            other.wait()
+        reap(other)
         d.cleanup()
         shutil.rmtree(other_dir, ignore_errors=True)
 

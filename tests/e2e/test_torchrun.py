@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tests.e2e.test_parallel import alive, descendants, free_port
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, run_json, short_dir, status, wait_until
+from tests.e2e.util import CMD, Daemon, dsv4, env_for, reap, run_json, short_dir, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12
@@ -57,9 +57,7 @@ def test_serve_under_torchrun_answers_and_stop_ends_every_rank(tiny_model: Path)
         assert wait_until(lambda: not any(alive(p) for p in ranks), timeout=15), [p for p in ranks if alive(p)]
         assert not sock.exists()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        reap(proc)
         log.close()
         shutil.rmtree(d, ignore_errors=True)
 

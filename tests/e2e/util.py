@@ -60,6 +60,13 @@ def status(endpoint: str) -> dict[str, Any]:
     return json.loads(r.stdout)
 
 
+def reap(proc: subprocess.Popen) -> None:
+    """Kill `proc` if it still runs, and wait for it (a test's cleanup)."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 def wait_until(cond: Any, timeout: float = 10.0, every: float = 0.1) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import socket
 import traceback
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -60,14 +61,12 @@ def run_model(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, ckpt: str, quant: str, out: str) -> None:
+def _rank_entry(rank: int, world: int, port: int, out: str, work: Callable[..., Any], args: tuple) -> None:
+    """One spawned rank: join the gloo group, save `work(rank, world, *args)` to out.<rank>."""
     try:
         torch.set_num_threads(1)
         parallel.init(rank, world, "127.0.0.1", port, timeout_s=120)
-        model = load_model(ckpt, quantization=quant, rank=rank, world=world)
-        res = run_model(model)
-        res["weight_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
-        torch.save(res, f"{out}.{rank}")
+        torch.save(work(rank, world, *args), f"{out}.{rank}")
         torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
         parallel.close()
     except BaseException:
@@ -75,11 +74,12 @@ def _rank_main(rank: int, world: int, port: int, ckpt: str, quant: str, out: str
         raise SystemExit(1)
 
 
-def run_parallel(ckpt: Path, quant: str, tmp: Path, world: int = WORLD) -> list[dict[str, torch.Tensor]]:
-    """Run `run_model` on `world` spawned ranks; every rank's results."""
+def spawn_ranks(work: Callable[..., Any], args: tuple, tmp: Path, world: int = WORLD) -> tuple[list[Any], list[int]]:
+    """Run `work(rank, world, *args)` (a module-level function) on `world` spawned ranks of one
+    gloo group; (every rank's result, the ranks' pids). Every rank must exit 0."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(ckpt), quant, str(tmp / "out")))
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, str(tmp / "out"), work, args))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -92,7 +92,19 @@ def run_parallel(ckpt: Path, quant: str, tmp: Path, world: int = WORLD) -> list[
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [torch.load(tmp / f"out.{r}") for r in range(world)]
+    return [torch.load(tmp / f"out.{r}") for r in range(world)], [p.pid for p in procs]
+
+
+def _model_work(rank: int, world: int, ckpt: str, quant: str) -> dict[str, torch.Tensor]:
+    model = load_model(ckpt, quantization=quant, rank=rank, world=world)
+    res = run_model(model)
+    res["weight_bytes"] = torch.tensor(sum(t.numel() * t.element_size() for t in model.state_dict().values()))
+    return res
+
+
+def run_parallel(ckpt: Path, quant: str, tmp: Path, world: int = WORLD) -> list[dict[str, torch.Tensor]]:
+    """Run `run_model` on `world` spawned ranks; every rank's results."""
+    return spawn_ranks(_model_work, (str(ckpt), quant), tmp, world)[0]
 
 
 @pytest.fixture(scope="module")

@@ -8,66 +8,47 @@ broadcast across hosts."""
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4.engine.config import EngineConfig, EngineConfigError
-from dsv4.model import parallel
-from tests.model.test_parallel import free_port
+from tests.model.test_parallel import spawn_ranks
 
 MESSAGES = [None, {"a": [1, 2, 3]}, list(range(5000)), ("x" * 40, 7), list(range(3))]  # 5000 ints > 64 bytes
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
+def _channel_work(rank: int, world: int) -> list:
     from dsv4.engine.transport import ShmChannel, TransportError
 
-    try:
-        torch.set_num_threads(1)
-        parallel.init(rank, 2, "127.0.0.1", port, timeout_s=60)
-        ch = ShmChannel(capacity=64)
-        leftovers = glob.glob(f"/dev/shm/dsv4-plan-{os.getppid() if rank else os.getpid()}-*")
-        got: list = [leftovers]
-        for m in MESSAGES:
-            got.append(ch.broadcast(m if rank == 0 else None))
-        errors = []
-        if rank == 0:
-            ch.send(b"not a pickle")
-            torch.distributed.broadcast(torch.tensor([12, 0]), src=0)  # a header out of sequence
-        else:
-            for _ in range(2):
-                try:
-                    ch.receive()
-                except TransportError as e:
-                    errors.append(str(e))
-        got.append(errors)
-        torch.save(got, f"{out}.{rank}")
-        torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
-        parallel.close()
-    except BaseException:
-        traceback.print_exc()
-        raise SystemExit(1)
+    ch = ShmChannel(capacity=64)
+    leftovers = glob.glob(f"/dev/shm/dsv4-plan-{os.getppid() if rank else os.getpid()}-*")
+    got: list = [leftovers]
+    for m in MESSAGES:
+        got.append(ch.broadcast(m if rank == 0 else None))
+    errors = []
+    if rank == 0:
+        ch.send(b"not a pickle")
+        torch.distributed.broadcast(torch.tensor([12, 0]), src=0)  # a header out of sequence
+    else:
+        for _ in range(2):
+            try:
+                ch.receive()
+            except TransportError as e:
+                errors.append(str(e))
+    got.append(errors)
+    return got
 
 
 def test_shm_channel_delivers_and_refuses(tmp_path: Path) -> None:
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(tmp_path / "out"))) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    assert [p.exitcode for p in procs] == [0, 0]
-    r0, r1 = (torch.load(tmp_path / f"out.{r}") for r in range(2))
+    (r0, r1), pids = spawn_ranks(_channel_work, (), tmp_path, world=2)
     assert r0[0] == [] and r1[0] == []  # unlinked once both mapped it
     assert r1[1:-1] == MESSAGES == r0[1:-1]
     assert r1[-1][0].startswith("plan message 6 (12 bytes) on rank 1 does not decode: UnpicklingError")
     assert r1[-1][1] == "plan message 12 arrived on rank 1, 7 was expected"
-    assert not glob.glob(f"/dev/shm/dsv4-plan-{procs[0].pid}-*")
+    assert not glob.glob(f"/dev/shm/dsv4-plan-{pids[0]}-*")
 
 
 def test_waiting_for_a_dead_rank_checks_its_liveness() -> None:
