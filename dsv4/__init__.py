@@ -4,10 +4,9 @@
 CLI starts without loading torch). `DEFAULT_MODEL` is the embedded tiny model.
 """
 
-from pathlib import Path
+from .assets import DEFAULT_MODEL  # noqa: F401  (re-exported: dsv4.DEFAULT_MODEL)
 
 __version__ = "0.1.0"
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "tiny-shakespeare"
 
 
 def __getattr__(name: str):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from .. import DEFAULT_MODEL
+from ..assets import DEFAULT_MODEL
 from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .request import RequestError
