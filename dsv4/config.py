@@ -277,6 +277,19 @@ def _first(v: Any) -> Any:
 
 
 def _layer_kinds(d: dict[str, Any], n: int) -> tuple[list[str], list[int]]:
+    """Per layer: attention kind and compression ratio. A config may carry both key sets
+    (the embedded model does, so that transformers, whose ratio map knows only 4 and 128,
+    loads it from `layer_types` + `compress_rates`); then they must agree."""
+    kinds, ratios = _layer_kinds_of(d, n)
+    if d.get("layer_types") is not None and d.get("compress_ratios") is not None:
+        official = _layer_kinds_of({"compress_ratios": d["compress_ratios"]}, n)
+        if official != (kinds, ratios):
+            raise ConfigError(f"'compress_ratios' {official[1]} and 'layer_types' with 'compress_rates' "
+                              f"{ratios} disagree; keep one of them, or make them agree")
+    return kinds, ratios
+
+
+def _layer_kinds_of(d: dict[str, Any], n: int) -> tuple[list[str], list[int]]:
     if d.get("layer_types") is not None:
         lt = d["layer_types"]
         if not isinstance(lt, list) or len(lt) < n:

@@ -48,6 +48,10 @@ TINY_CONFIG = {
     "o_groups": 2,
     "sliding_window": 128,
     "compress_ratios": [0, 4, 16, 4, 16, 4, 0],
+    # the same schedule in transformers' keys (its compress_ratios map knows only 0, 4 and 128)
+    "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                    "compressed_sparse_attention", "heavily_compressed_attention", "compressed_sparse_attention"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
     "compress_rope_theta": 160000.0,
     "rope_theta": 10000.0,
     "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 2048,
