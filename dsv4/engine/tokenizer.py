@@ -9,6 +9,10 @@ Contract:
 - `encode_prompt(text, mode=...)` builds the single-turn DeepSeek V4 chat prompt
   `BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>)` as ids:
   special tokens by id, each text encoded on its own, so user text cannot inject them.
+  A raw prompt starts with BOS only where the tokenizer says so (`Tokenizer.add_bos`):
+  `add_bos_token` in tokenizer_config.json, else whether tokenizer.json's post-processor
+  adds it (what transformers' `AutoTokenizer` does with such a file), else not.
+  The chat template always starts with BOS, as DeepSeek's encoding does.
 - `IncrementalDetokenizer.push(id)` returns only completed text (never half of a UTF-8
   character); all pushes plus `flush()` equal `Tokenizer.decode(all_ids)` exactly.
 """
@@ -69,6 +73,7 @@ class Tokenizer:
         self.bos_id = self._special_id("bos_token", BOS_TOKEN)
         self.eos_id = self._special_id("eos_token", EOS_TOKEN)
         self.pad_id = self._special_id("pad_token", None)
+        self.add_bos = self._adds_bos(spec.get("post_processor"))
         # UTF-8 bytes of the longest vocabulary entry: an upper bound on the text one token covers
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(True)), default=1)
 
@@ -91,6 +96,14 @@ class Tokenizer:
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"cannot read {tj}: {e}") from None
         return cls(text, config, source=str(d))
+
+    def _adds_bos(self, post_processor: object) -> bool:
+        """Whether a raw prompt starts with BOS: tokenizer_config.json's `add_bos_token`
+        when it is there, else whether tokenizer.json's post-processor prepends BOS."""
+        flag = self.config.get("add_bos_token")
+        if isinstance(flag, bool):
+            return flag and self.bos_id is not None
+        return self.bos_id is not None and _prepends_special(post_processor, self.bos_id, self._tok)
 
     def _special_id(self, key: str, default: str | None) -> int | None:
         """Id of the config's token `key`, else of the default token name, else None."""
@@ -147,23 +160,24 @@ class Tokenizer:
         mode: PromptMode = "auto",
         system: str | None = None,
         thinking: bool = False,
-        add_bos: bool = True,
+        add_bos: bool | None = None,
     ) -> list[int]:
         """Prompt ids for one user turn.
 
         chat: BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> if thinking else </think>).
         raw:  (BOS +) text as is; `system` and `thinking` are ignored.
         auto: chat when the vocabulary has the chat tokens, raw otherwise.
+        `add_bos` None: BOS for chat, `self.add_bos` (the tokenizer's files) for raw.
         """
         if mode not in ("auto", "chat", "raw"):
             raise TokenizerError(f"unknown prompt mode {mode!r} (expected auto, chat or raw)")
         if mode == "auto":
             mode = "chat" if self.has_chat_tokens else "raw"
         if mode == "raw":
-            return self.encode(text, add_bos=add_bos)
+            return self.encode(text, add_bos=self.add_bos if add_bos is None else add_bos)
         user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)
         think = self._require(THINK_START_TOKEN if thinking else THINK_END_TOKEN)
-        ids = [self._bos()] if add_bos else []
+        ids = [self._bos()] if add_bos is None or add_bos else []
         if system:
             ids += self.encode(system)
         return ids + [user] + self.encode(text) + [assistant, think]
@@ -256,6 +270,21 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self.ids)
         self._emitted = 0
         return out
+
+
+def _prepends_special(post_processor: object, bos_id: int, tok: HFTokenizer) -> bool:
+    """True when a tokenizer.json post-processor (TemplateProcessing, maybe inside a
+    Sequence) puts the special token with id `bos_id` first in a single sequence."""
+    if not isinstance(post_processor, dict):
+        return False
+    if post_processor.get("type") == "Sequence":
+        return any(_prepends_special(p, bos_id, tok) for p in post_processor.get("processors") or [])
+    if post_processor.get("type") != "TemplateProcessing":
+        return False
+    single = post_processor.get("single") or []
+    first = single[0] if single and isinstance(single[0], dict) else {}
+    name = (first.get("SpecialToken") or {}).get("id")
+    return isinstance(name, str) and tok.token_to_id(name) == bos_id
 
 
 def chat_prompt(tokenizer: Tokenizer | None, messages: Sequence[dict], *, thinking: bool = False) -> str | list[int]:

@@ -105,10 +105,36 @@ def test_user_text_cannot_inject_special_tokens(ds: Tokenizer) -> None:
 def test_raw_mode(ds: Tokenizer, hf: HFTokenizer) -> None:
     text = "Once upon a time"
     body = hf.encode(text, add_special_tokens=False).ids
-    assert ds.encode_prompt(text, mode="raw") == [BOS, *body]
-    assert ds.encode_prompt(text, mode="raw", add_bos=False) == body
+    assert ds.config["add_bos_token"] is False and not ds.add_bos  # as its tokenizer_config.json says
+    assert ds.encode_prompt(text, mode="raw") == body
+    assert ds.encode_prompt(text, mode="raw", add_bos=True) == [BOS, *body]
     assert ds.encode(text, add_bos=True) == [BOS, *body]
-    assert ds.encode("") == [] and ds.encode_prompt("", mode="raw") == [BOS]
+    assert ds.encode("") == [] and ds.encode_prompt("", mode="raw", add_bos=True) == [BOS]
+
+
+@pytest.mark.parametrize("config, post_processor, bos", [
+    ({"add_bos_token": True}, None, True),
+    ({"add_bos_token": False}, "bos", False),  # the config decides where it says
+    ({}, "bos", True),  # else tokenizer.json's post-processor, as transformers reads it
+    ({}, "sequence-bos", True),
+    ({}, None, False),
+])
+def test_raw_bos_follows_the_tokenizer_files(ds_dir: Path, tmp_path: Path, config: dict,
+                                             post_processor: str | None, bos: bool) -> None:
+    spec = json.loads((ds_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    template = {"type": "TemplateProcessing", "pair": [],
+                "single": [{"SpecialToken": {"id": "<｜begin▁of▁sentence｜>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "special_tokens": {"<｜begin▁of▁sentence｜>": {"id": "<｜begin▁of▁sentence｜>", "ids": [BOS],
+                                                                 "tokens": ["<｜begin▁of▁sentence｜>"]}}}
+    spec["post_processor"] = {None: None, "bos": template,
+                              "sequence-bos": {"type": "Sequence", "processors": [spec["post_processor"], template]}
+                              }[post_processor]
+    tok = Tokenizer(json.dumps(spec), config)
+    body = tok.encode("Once upon a time")
+    assert tok.add_bos is bos
+    assert tok.encode_prompt("Once upon a time", mode="raw") == ([BOS] if bos else []) + body
+    assert tok.encode_prompt("Once upon a time", mode="chat")[0] == BOS  # the chat template always has it
 
 
 def test_unknown_mode(ds: Tokenizer) -> None:
@@ -202,8 +228,8 @@ def test_tiny_asset_tokenizer() -> None:
     assert tok.vocab_size == 4096
     assert not tok.has_chat_tokens
     body = tok.encode(SHAKESPEARE)
-    assert tok.encode_prompt(SHAKESPEARE) == [0, *body]  # auto -> raw
-    assert tok.encode_prompt(SHAKESPEARE, add_bos=False) == body
+    assert tok.encode_prompt(SHAKESPEARE) == body  # auto -> raw; its tokenizer_config.json says no BOS
+    assert tok.encode_prompt(SHAKESPEARE, add_bos=True) == [0, *body]
     assert tok.decode(body) == SHAKESPEARE
     assert len(body) < len(SHAKESPEARE) / 2  # it did learn merges
     assert "".join(_stream(tok, [0, *body, 1], skip_special_tokens=True)) == SHAKESPEARE
