@@ -19,12 +19,10 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dsv4.engine.errors import RequestError  # noqa: F401  (re-exported: the error of one request)
+
 if TYPE_CHECKING:
     from dsv4.engine.sampling import SamplingParams
-
-
-class RequestError(ValueError):
-    """A request that cannot be served; fails that request alone. One-line message."""
 
 
 class RequestStatus(enum.Enum):

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dsv4.engine.request import RequestError
+from dsv4.engine.errors import RequestError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
