@@ -4,8 +4,11 @@ Streams SRC tensor by tensor (as `load_model` does) and writes DST as sharded
 safetensors plus `model.safetensors.index.json`: the int8 linears of `w8a8.py` as
 ``X.weight`` I8 [out, in] + ``X.scale`` F32 [out], every other tensor as stored in SRC
 (FP8/FP4 ones dequantised to bfloat16). config.json gets ``"dsv4_quantization":
-"w8a8"`` (and loses the FP8 ``quantization_config``), so loading DST needs no flag;
-tokenizer files are copied. At most one shard of converted tensors is held at a time.
+"w8a8"`` (and loses the FP8 ``quantization_config``), so loading DST needs no flag.
+Every other file of SRC's top level (generation_config.json with the sampling defaults,
+the model card, tokenizer files, licence) is copied, and every file of DST gets the mode
+of its counterpart in SRC (safetensors writes its files 0600 otherwise). At most one
+shard of converted tensors is held at a time.
 Loading DST gives bit-identical weights (and logits) to converting SRC at load time:
 the conversions are the same functions.
 """
@@ -25,7 +28,7 @@ from .checkpoint import CONFIG_NAME, INDEX_NAME, QUANTIZATION_KEY, Checkpoint, C
 from .model import DeepseekV4
 from .w8a8 import QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # never copied: DST has its own weights
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = "w8a8",
@@ -96,7 +99,26 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = 
     config.pop("expert_dtype", None)
     config[QUANTIZATION_KEY] = "w8a8"
     (dst / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-    for f in TOKENIZER_FILES:
-        if (src / f).is_file():
-            shutil.copy(src / f, dst / f)
+    _copy_mode(src / CONFIG_NAME, [dst / CONFIG_NAME])
+    _copy_mode(next(src.glob("*.safetensors")), [dst / INDEX_NAME, *(dst / n for n in final.values())])
+    copy_other_files(src, dst)
     return counts
+
+
+def copy_other_files(src: Path, dst: Path) -> list[str]:
+    """Copy SRC's top-level files that are not weights, an index or config.json into DST,
+    each with its mode (symbolic links are followed); returns their names."""
+    names = []
+    for f in sorted(src.iterdir()):
+        if (f.name.startswith(".") or f.name in (CONFIG_NAME, INDEX_NAME) or f.name.endswith(WEIGHT_SUFFIXES)
+                or not f.is_file()):
+            continue
+        shutil.copy(f, dst / f.name)  # contents and mode bits
+        names.append(f.name)
+    return names
+
+
+def _copy_mode(like: Path, paths: list[Path]) -> None:
+    mode = like.stat().st_mode & 0o777
+    for p in paths:
+        p.chmod(mode)

@@ -104,6 +104,7 @@ def save_checkpoint(out_dir: PathLike, tensors: Mapping[str, torch.Tensor], conf
         for n in names:
             data.update(_convert(n, tensors[n], fmts[n], dtype))
         save_file(data, str(out / fname), metadata={"format": "pt"})
+        (out / fname).chmod((out / CONFIG_NAME).stat().st_mode & 0o777)  # as config.json, not safetensors' 0600
         weight_map.update({k: fname for k in data})
         del data
     if len(shards) > 1:
