@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsv4.config import ModelConfig
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -25,26 +22,27 @@ class EngineConfigError(ValueError):
     """An engine configuration that cannot run; the message names the CLI flag to change."""
 
 
-def check_hosts(c: "EngineConfig") -> None:
+def check_hosts(tensor_parallel_size: int, nnodes: Any, node_rank: Any, master_addr: str | None,
+                master_port: Any, rendezvous_timeout: Any) -> None:
     """--nnodes / --node-rank / --master-addr / --master-port / --rendezvous-timeout."""
-    check_int("--nnodes", c.nnodes, minimum=1)
-    check_int("--node-rank", c.node_rank, minimum=0)
-    if c.node_rank >= c.nnodes:
-        raise EngineConfigError(f"--node-rank {c.node_rank} is out of range for --nnodes {c.nnodes} "
-                                f"(use 0..{c.nnodes - 1})")
-    if c.tensor_parallel_size % c.nnodes:
-        raise EngineConfigError(f"--tensor-parallel-size {c.tensor_parallel_size} is not a multiple of "
-                                f"--nnodes {c.nnodes} (each host runs the same number of ranks)")
-    if c.nnodes > 1 and (c.master_addr is None or c.master_port is None):
-        raise EngineConfigError(f"--nnodes {c.nnodes} needs --master-addr and --master-port "
+    check_int("--nnodes", nnodes, minimum=1)
+    check_int("--node-rank", node_rank, minimum=0)
+    if node_rank >= nnodes:
+        raise EngineConfigError(f"--node-rank {node_rank} is out of range for --nnodes {nnodes} "
+                                f"(use 0..{nnodes - 1})")
+    if tensor_parallel_size % nnodes:
+        raise EngineConfigError(f"--tensor-parallel-size {tensor_parallel_size} is not a multiple of "
+                                f"--nnodes {nnodes} (each host runs the same number of ranks)")
+    if nnodes > 1 and (master_addr is None or master_port is None):
+        raise EngineConfigError(f"--nnodes {nnodes} needs --master-addr and --master-port "
                                 f"(the host of node rank 0 and a free port there)")
-    if c.master_port is not None:
-        check_int("--master-port", c.master_port, minimum=1)
-        if c.master_port > 65535:
-            raise EngineConfigError(f"--master-port {c.master_port} is not a TCP port (1..65535)")
-    if not isinstance(c.rendezvous_timeout, (int, float)) or c.rendezvous_timeout <= 0:
+    if master_port is not None:
+        check_int("--master-port", master_port, minimum=1)
+        if master_port > 65535:
+            raise EngineConfigError(f"--master-port {master_port} is not a TCP port (1..65535)")
+    if not isinstance(rendezvous_timeout, (int, float)) or rendezvous_timeout <= 0:
         raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
-                                f"got {c.rendezvous_timeout!r}")
+                                f"got {rendezvous_timeout!r}")
 
 
 def check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,

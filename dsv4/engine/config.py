@@ -35,15 +35,13 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dsv4.config import ConfigError, ModelConfig
 
 from .checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, resolve_dtype, resolve_quantization, weight_names)
-
-if TYPE_CHECKING:
-    from dsv4.engine.launch import Launch
+from .launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -81,7 +79,7 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
     sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
-    launch: "Launch | None" = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
+    launch: Launch | None = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -114,15 +112,17 @@ class EngineConfig:
         except ConfigError as e:
             raise EngineConfigError(f"--model {self.model}: {e}") from None
         set_("model_config", mc)
-        from dsv4.engine.launch import resolve_tensor_parallel, resolve_transport, torchrun_launch
-
         set_("launch", torchrun_launch())
-        resolve_tensor_parallel(self, set_)
+        set_("tensor_parallel_size", resolve_tensor_parallel(
+            self.tensor_parallel_size, self.launch, nnodes=self.nnodes, node_rank=self.node_rank,
+            master_addr=self.master_addr, master_port=self.master_port))
         check_tensor_parallel(self.tensor_parallel_size, mc, self.device,
                                self.hosts,
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
-        check_hosts(self)
-        set_("plan_transport", resolve_transport(self))
+        check_hosts(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr, self.master_port,
+                    self.rendezvous_timeout)
+        set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
+                                                 tensor_parallel_size=self.tensor_parallel_size))
         set_("quantization", resolve_quantization(self.quantization, self.model, self.device))
         names = weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))

@@ -2,6 +2,8 @@
 torchrun's environment (`Launch`: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), the tensor-parallel size it implies, and the plan transport
 (`engine.transport`). Each check raises `EngineConfigError` naming the flag or variable.
+The functions take the flags' values and return the resolved ones; `EngineConfig` (the
+only importer among them) sets its own fields from what they return.
 
 Under torchrun, explicit flags that would place the ranks differently are errors rather
 than overrides: `--tensor-parallel-size` other than WORLD_SIZE, and any of `--nnodes`,
@@ -13,12 +15,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .checks import EngineConfigError
-
-if TYPE_CHECKING:
-    from .config import EngineConfig
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -63,40 +62,39 @@ def torchrun_launch(env: Any = None) -> Launch | None:
                   env.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
 
 
-def resolve_tensor_parallel(c: "EngineConfig", set_: Any) -> None:
-    """--tensor-parallel-size: WORLD_SIZE under torchrun (a different value given is an error,
-    and so is any of --nnodes/--node-rank/--master-addr/--master-port: torchrun placed the
-    ranks), else 1 unless given."""
-    T, launch = c.tensor_parallel_size, c.launch
+def resolve_tensor_parallel(T: Any, launch: Launch | None, *, nnodes: Any = 1, node_rank: Any = 0,
+                            master_addr: str | None = None, master_port: Any = None) -> Any:
+    """--tensor-parallel-size `T`: WORLD_SIZE under torchrun (a different value given is an
+    error, and so is any of --nnodes/--node-rank/--master-addr/--master-port: torchrun
+    placed the ranks), else 1 unless given."""
     if launch is None:
-        set_("tensor_parallel_size", 1 if T is None else T)
-        return
+        return 1 if T is None else T
     if T is not None and T != launch.world:
         raise EngineConfigError(f"--tensor-parallel-size {T} conflicts with WORLD_SIZE {launch.world} set by torchrun "
                                 f"(drop the flag: under torchrun every process is one rank)")
-    given = [(f, v) for f, v, default in (("--nnodes", c.nnodes, 1), ("--node-rank", c.node_rank, 0),
-                                          ("--master-addr", c.master_addr, None), ("--master-port", c.master_port, None))
+    given = [(f, v) for f, v, default in (("--nnodes", nnodes, 1), ("--node-rank", node_rank, 0),
+                                          ("--master-addr", master_addr, None), ("--master-port", master_port, None))
              if v != default]
     if given:
         flag, value = given[0]
         raise EngineConfigError(f"{flag} {value} cannot be combined with torchrun (RANK, WORLD_SIZE, MASTER_ADDR and "
                                 f"MASTER_PORT are set; its rendezvous places the ranks): drop {flag}")
-    set_("tensor_parallel_size", launch.world)
+    return launch.world
 
 
-def resolve_transport(c: "EngineConfig") -> str:
+def resolve_transport(transport: str, *, hosts: int, tensor_parallel_size: int) -> str:
     """How rank 0 sends each step's plan (`engine.transport`): "auto" = shared memory when
     every rank is on this host (measured faster, BENCHMARKS.md), the group's object
     broadcast across hosts."""
     from dsv4.engine.transport import SHM_DIR, TRANSPORTS
 
-    if c.plan_transport not in TRANSPORTS:
-        raise EngineConfigError(f"plan_transport must be one of {', '.join(TRANSPORTS)}, got {c.plan_transport!r}")
-    one_host = c.hosts == 1
-    if c.plan_transport == "shm" and not one_host:
+    if transport not in TRANSPORTS:
+        raise EngineConfigError(f"plan_transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+    one_host = hosts == 1
+    if transport == "shm" and not one_host:
         raise EngineConfigError("plan_transport shm needs every rank on one host; use object (or auto)")
-    if c.plan_transport == "shm" and SHM_DIR is None:
+    if transport == "shm" and SHM_DIR is None:
         raise EngineConfigError("plan_transport shm needs /dev/shm, which this host lacks; use object (or auto)")
-    if c.plan_transport == "auto":
-        return "shm" if one_host and SHM_DIR is not None and c.tensor_parallel_size > 1 else "object"
-    return c.plan_transport
+    if transport == "auto":
+        return "shm" if one_host and SHM_DIR is not None and tensor_parallel_size > 1 else "object"
+    return transport
