@@ -1,7 +1,7 @@
 """A client of the daemon: one DEALER socket, any number of requests in flight.
 
 ZeroMQ `connect` succeeds with nobody listening, so `Client.connect()` first checks that
-the socket directory can be trusted (`paths.check_private_dir`: ours, private, no
+the socket directory can be trusted (`paths.check_socket_dir`: ours, private, no
 symlink; else `UnsafePathError` before a byte is sent), then the pid file's lock, then
 that the socket is a socket of ours (an ipc socket with no live daemon behind it fails at once) and then
 pings with a timeout; both failures raise `DaemonUnreachable` with the hint to start
@@ -27,7 +27,7 @@ from typing import Any, Iterator
 import zmq
 
 from dsv4.daemon import protocol as P
-from dsv4.daemon.paths import check_private_dir, check_socket_file, daemon_pid, ipc_path
+from dsv4.daemon.paths import check_socket_dir, check_socket_file, daemon_pid, ipc_path
 
 PING_TIMEOUT_S = 3.0
 BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers between engine steps, which can be long
@@ -133,7 +133,7 @@ class Client:
         """Make sure a daemon answers; returns its pong. Raises `DaemonUnreachable`, or
         `DaemonTimeout` when the `deadline` (monotonic, e.g. `run --timeout`) passes first."""
         path = ipc_path(self.endpoint)
-        if path is not None and not check_private_dir(path.parent, create=False):
+        if path is not None and not check_socket_dir(path.parent, create=False):
             raise DaemonUnreachable(NOT_RUNNING)
         if path is not None:
             pid = daemon_pid(self.endpoint)

@@ -16,7 +16,8 @@ default one, or the parent of an explicit `ipc://` path -- must not be a symlink
 (mode 0700); it is created that way when missing and never chmod-ed into shape. The
 socket must be a socket owned by the current user. Pid and log files are opened with
 `O_NOFOLLOW`, created 0600, and must be regular files owned by us. Any mismatch is an
-`UnsafePathError` saying what is wrong and how to fix it (exit status 1).
+`UnsafePathError` saying what is wrong and how to fix it (exit status 1). The directory
+check itself is `dsv4.private_paths.check_private_dir`, shared with the compile cache.
 """
 
 from __future__ import annotations
@@ -28,18 +29,11 @@ import re
 import stat
 from pathlib import Path
 
+from dsv4.private_paths import PathError, UnsafePathError, check_private_dir
+
 MAX_IPC_PATH_BYTES = 107
 SOCKET_NAME = "dsv4.sock"
-
-
-class PathError(Exception):
-    """An endpoint or directory that cannot be used; one-line message with a hint."""
-
-
-class UnsafePathError(PathError):
-    """A socket directory, socket, pid or log file that another user could control (exit status 1)."""
-
-    hint = "remove it, or set XDG_RUNTIME_DIR or DSV4_SOCKET (--socket) to a private place"
+HINT = "remove it, or set XDG_RUNTIME_DIR or DSV4_SOCKET (--socket) to a private place"
 
 
 def _runtime_base() -> Path:
@@ -105,44 +99,15 @@ def pid_file(endpoint: str) -> Path:
     return _runtime_base() / f"{name}.pid"
 
 
-def check_private_dir(d: Path, *, create: bool, what: str = "socket directory",
-                      hint: str = UnsafePathError.hint) -> bool:
-    """Refuse a directory another user could control; create it (0700) when missing and `create`.
-
-    True when `d` exists (and is trusted), False when it is missing and not created. `what`
-    names the directory in the one-line errors and `hint` says what to do about it.
-    """
-    try:
-        st = os.lstat(d)
-    except FileNotFoundError:
-        if not create:
-            return False
-        try:
-            d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.mkdir(d, 0o700)  # mkdir applies the umask: a stricter mode is still private
-        except FileExistsError:
-            pass  # created meanwhile: checked below like any other
-        except OSError as e:
-            raise PathError(f"cannot create the {what} {d}: {e.strerror}") from None
-        st = os.lstat(d)
-    except OSError as e:
-        raise PathError(f"cannot inspect the {what} {d}: {e.strerror}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafePathError(f"{what} {d} is a symlink, which another user could repoint; {hint}")
-    if not stat.S_ISDIR(st.st_mode):
-        raise UnsafePathError(f"{what} {d} is not a directory; {hint}")
-    if st.st_uid != os.getuid():
-        raise UnsafePathError(f"{what} {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); {hint}")
-    mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        raise UnsafePathError(f"{what} {d} has mode {mode:04o}, open to other users (need 0700); "
-                              f"{hint} (or chmod 700 it if it is yours to share with nobody)")
-    return True
+def check_socket_dir(d: Path, *, create: bool) -> bool:
+    """The socket directory's trust check (`check_private_dir`); False when it is missing
+    and not created."""
+    return check_private_dir(d, create=create, what="socket directory", hint=HINT)
 
 
 def ensure_private_dir(d: Path) -> None:
-    """`check_private_dir(d, create=True)`: the directory exists, is ours and is private."""
-    check_private_dir(d, create=True)
+    """`check_socket_dir(d, create=True)`: the directory exists, is ours and is private."""
+    check_socket_dir(d, create=True)
 
 
 def check_socket_file(path: Path) -> bool:
@@ -152,10 +117,10 @@ def check_socket_file(path: Path) -> bool:
     except FileNotFoundError:
         return False
     if not stat.S_ISSOCK(st.st_mode):
-        raise UnsafePathError(f"{path} is not a socket; {UnsafePathError.hint}")
+        raise UnsafePathError(f"{path} is not a socket; {HINT}")
     if st.st_uid != os.getuid():
         raise UnsafePathError(f"socket {path} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); "
-                              f"{UnsafePathError.hint}")
+                              f"{HINT}")
     return True
 
 
@@ -165,12 +130,12 @@ def open_private(path: Path, flags: int) -> int:
         fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise UnsafePathError(f"{path} is a symlink; {UnsafePathError.hint}") from None
+            raise UnsafePathError(f"{path} is a symlink; {HINT}") from None
         raise PathError(f"cannot open {path}: {e.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
         os.close(fd)
-        raise UnsafePathError(f"{path} is not a regular file of yours; {UnsafePathError.hint}")
+        raise UnsafePathError(f"{path} is not a regular file of yours; {HINT}")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # our own file, say from an older version: make it private
     return fd

@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from ..daemon.paths import PathError, check_private_dir
 from ..model.attention import ROW_MIN
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
 from ..model.static_step import StaticStep
+from ..private_paths import PathError, check_private_dir
 
 log = logging.getLogger("dsv4.compile")
 
@@ -97,7 +97,7 @@ def buckets(max_tokens: int) -> list[int]:
 def private_cache_dir() -> Path:
     """Point inductor's (and triton's) cache at a private per-user directory, created 0700;
     raise `CompileUnavailable` if it exists but is a symlink, not ours or not private
-    (the checks of the daemon's socket directory, `dsv4.daemon.paths.check_private_dir`)."""
+    (the checks of the daemon's socket directory, `dsv4.private_paths.check_private_dir`)."""
     base = os.environ.get("XDG_CACHE_HOME", "")
     root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
     d = root / "dsv4" / "inductor"

@@ -1,0 +1,58 @@
+"""Directories that only the current user may control, and the errors that say why one
+cannot be trusted.
+
+Both the daemon's socket directory (`dsv4.daemon.paths`) and the compile cache, from
+which compiled code is loaded (`dsv4.engine.compiled`), must be directories of ours that
+no other user can write to or repoint. The check lives here, below both, so that the
+engine does not import the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class PathError(Exception):
+    """An endpoint or directory that cannot be used; one-line message with a hint."""
+
+
+class UnsafePathError(PathError):
+    """A directory or file that another user could control (exit status 1)."""
+
+
+def check_private_dir(d: Path, *, create: bool, what: str, hint: str) -> bool:
+    """Refuse a directory another user could control; create it (0700) when missing and `create`.
+
+    True when `d` exists (and is trusted), False when it is missing and not created. `what`
+    names the directory in the one-line errors and `hint` says what to do about it: not a
+    symlink (`lstat`), a directory, owned by the current user, no group or world access.
+    A directory is created that way, never chmod-ed into shape.
+    """
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        if not create:
+            return False
+        try:
+            d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.mkdir(d, 0o700)  # mkdir applies the umask: a stricter mode is still private
+        except FileExistsError:
+            pass  # created meanwhile: checked below like any other
+        except OSError as e:
+            raise PathError(f"cannot create the {what} {d}: {e.strerror}") from None
+        st = os.lstat(d)
+    except OSError as e:
+        raise PathError(f"cannot inspect the {what} {d}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePathError(f"{what} {d} is a symlink, which another user could repoint; {hint}")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafePathError(f"{what} {d} is not a directory; {hint}")
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{what} {d} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}); {hint}")
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o077:
+        raise UnsafePathError(f"{what} {d} has mode {mode:04o}, open to other users (need 0700); "
+                              f"{hint} (or chmod 700 it if it is yours to share with nobody)")
+    return True
