@@ -49,7 +49,7 @@ def check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
                            flag: str = "--tensor-parallel-size") -> None:
     """--tensor-parallel-size (or torchrun's WORLD_SIZE): divides every split dimension; one
     device per rank of a host."""
-    from dsv4.model.parallel import ParallelError, check_sizes
+    from dsv4.model.sharding import ParallelError, check_sizes
 
     check_int(flag, T, minimum=1)
     try:

@@ -3,10 +3,11 @@
 Rank 0 (the daemon, `run --local`, `LLM`) owns the scheduler. `Ranks.start(config)`
 spawns the other ranks (`torch.multiprocessing` spawn context; rank r on device r with
 `--device cuda`/`npu`, on CPU T processes over gloo) and joins the group itself. Every
-step, `Runner.execute` on rank 0 broadcasts the plan (`plan_message`: rows, prompts
-when a request starts, decode tokens with their drafts); each other rank rebuilds it
-on shadow requests (`follow`) and runs the same dispatches on its shard. Rank 0 samples
-and broadcasts its choices (`Runner.execute`); the others send nothing but collectives.
+step, `Runner.execute` on rank 0 broadcasts the plan; each other rank rebuilds it on
+shadow requests and runs the same dispatches on its shard (`plan.follow`). Rank 0
+samples and broadcasts its choices (`Runner.execute`); the others send nothing but
+collectives. Joining the group installs the plan channel (`plan.use_channel`: shared
+memory on one host); leaving closes it, then the group.
 With auto K the plan carries the step's K (`Runner.k_draft`): the MTP backlog, pending
 rows and drafts of every rank then follow from the plan alone, so only rank 0 keeps a
 policy that chooses (the others calibrate with it, since the calibration's dispatches
@@ -39,8 +40,7 @@ from typing import Any
 import torch
 
 from ..model import parallel
-from .request import Request
-from .sampling import SamplingParams
+from . import plan
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -54,38 +54,6 @@ def rank_device(device: str, rank: int) -> str:
     """Rank r's device: cuda:r / npu:r for an accelerator, cpu otherwise."""
     kind = device.partition(":")[0]
     return kind if kind == "cpu" else f"{kind}:{rank}"
-
-
-def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
-                 drafts: dict[int, list[int]], k_draft: int) -> tuple[list, list, int]:
-    """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
-    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, and
-    the drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K)."""
-    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
-            [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes], k_draft)
-
-
-def follow(runner: Any) -> None:
-    """A worker's loop: run every step rank 0 broadcasts, until the stop message (None)."""
-    shadows: dict[int, Request] = {}
-    while True:
-        msg = parallel.broadcast_object(None)
-        if msg is None:
-            return
-        pre, dec, runner.k_draft = msg  # auto K: the MTP depth of this step, as rank 0 chose it
-        prefills, decodes = [], []
-        for slot, start, n, prompt, k in pre:
-            if prompt is not None:
-                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
-            shadows[slot].num_spec = k
-            prefills.append((shadows[slot], start, n))
-        for slot, n, computed, last, k, drafts in dec:
-            req = shadows[slot]
-            req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
-            runner.drafts[slot] = list(drafts)
-            decodes.append((req, n))
-        runner.execute(prefills, decodes)
 
 
 def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
@@ -132,7 +100,13 @@ def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
     if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
         from .transport import ShmChannel
 
-        parallel.set_channel(ShmChannel())
+        plan.use_channel(ShmChannel())
+
+
+def _leave() -> None:
+    """Close the plan channel, then leave the group."""
+    plan.close_channel()
+    parallel.close()
 
 
 def _follow_rank(rank: int, config: Any, dev: str) -> None:
@@ -153,7 +127,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
                     device=torch.device(dev), policy=policy)
     if policy is not None:
         runner.calibrate()
-    follow(runner)
+    plan.follow(runner)
 
 
 def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:
@@ -163,7 +137,7 @@ def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None
         dev = _local_device(config, rank)
         _join(rank, config, addr, port, dev)
         _follow_rank(rank, config, dev)
-        parallel.close()
+        _leave()
     except BaseException:
         if os.environ.get("DSV4_DEBUG"):
             traceback.print_exc()
@@ -220,8 +194,8 @@ class Ranks:
                                 f"within {config.rendezvous_timeout:g} s ({type(e).__name__})") from None
             raise RankError(f"--tensor-parallel-size {T}: the other ranks did not join within "
                             f"{config.rendezvous_timeout:g} s ({type(e).__name__})") from None
-        if parallel.channel() is not None and self.procs:  # waiting for a dead rank's ack fails at once
-            parallel.channel().check = self.check
+        if plan.channel() is not None and self.procs:  # waiting for a dead rank's ack fails at once
+            plan.channel().check = self.check
 
     @property
     def pids(self) -> list[int]:
@@ -251,7 +225,7 @@ class Ranks:
         """Stop the workers: the stop message while all live, then terminate, then kill."""
         try:
             if parallel.world_size() > 1 and parallel.rank() == 0 and all(p.is_alive() for p in self.procs):
-                parallel.broadcast_object(None)
+                plan.broadcast(None)
         except Exception:  # noqa: BLE001  (a peer died meanwhile)
             pass
         for p in self.procs:
@@ -266,6 +240,6 @@ class Ranks:
         for pipe in self.pipes:
             pipe.close()
         try:
-            parallel.close()
+            _leave()
         except Exception:  # noqa: BLE001
             pass

@@ -41,7 +41,7 @@ from torch.profiler import record_function
 from ..model import parallel
 from ..model.model import DeepseekV4
 from ..model.state import Batch
-from .ranks import plan_message
+from .plan import broadcast, plan_message
 from .request import Request
 from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
 from .spec_policy import SpecPolicy
@@ -126,9 +126,9 @@ class Runner:
     def execute(self, prefills: list[tuple[Request, int, int]],
                 decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
-        last have none). Under tensor parallelism rank 0 first sends the plan (`ranks`)."""
+        last have none). Under tensor parallelism rank 0 first sends the plan (`plan`)."""
         if parallel.world_size() > 1 and parallel.rank() == 0:
-            parallel.broadcast_object(plan_message(prefills, decodes, self.drafts, self.k_draft))
+            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         off = 0
@@ -161,7 +161,7 @@ class Runner:
             hidden, logits = self._forward(batch, logit_idx, decode=not prefills)
         with record_function("dsv4.sample_verify"):
             # rank 0 samples; under tensor parallelism the other ranks take its choices
-            results = parallel.broadcast_object(self._sample_verify(samples, logits) if parallel.rank() == 0 else None)
+            results = broadcast(self._sample_verify(samples, logits) if parallel.rank() == 0 else None)
             for req, _, _, drafts in samples:  # rejected drafts leave the state
                 if drafts is not None:
                     self.state.rollback(req.slot, req.num_computed_tokens + 1 + results[req.slot].num_accepted)

@@ -1,6 +1,6 @@
 """How rank 0's per-step messages (the plan, then the sampled results) reach the other ranks.
 
-Two transports behind `parallel.broadcast_object`:
+Two transports behind `plan.broadcast`:
 
 * "object": `torch.distributed.broadcast_object_list` (pickle; a size broadcast, then a
   byte broadcast through the group). Works across hosts.

@@ -106,7 +106,7 @@ class Checkpoint:
         """(name, kind, stored tensor, E8M0 scale for "fp8"/"fp4" else None), one at a time,
         shard by shard, memory mapped: nothing is kept after the caller lets go of it.
 
-        With a `parallel.Layout`, only the tensors the rank holds, each read as its slice
+        With a `sharding.Layout`, only the tensors the rank holds, each read as its slice
         (`get_slice`): an FP8 weight with the rows/columns of its 128x128 block scales; a
         slice that cuts through blocks reads the covering blocks and comes back dequantised
         and trimmed, as kind "plain" float32."""

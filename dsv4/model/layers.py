@@ -53,7 +53,7 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token embedding whose parameter is named `weight`. Under tensor parallelism it
-    holds the vocabulary rows [vocab_start, vocab_start + rows) (`parallel.shard_model`):
+    holds the vocabulary rows [vocab_start, vocab_start + rows) (`sharding.shard_model`):
     other ids give zeros and the ranks' rows are summed."""
 
     vocab_start = 0

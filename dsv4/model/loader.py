@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from . import kernels, parallel
+from . import kernels, parallel, sharding
 from .checkpoint import (Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .model import DeepseekV4
@@ -71,7 +71,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     linears that read the same input for inference (`DeepseekV4.fuse_projections`): move
     or train the model afterwards only without it. `counts`, if given, receives how the
     FP4 rows converted to int8 (exactly or by rounding). With `world` > 1 the model is
-    rank `rank`'s part of the tensor-parallel layout (`parallel.shard_model`) and only
+    rank `rank`'s part of the tensor-parallel layout (`sharding.shard_model`) and only
     that part is read from the files; the collectives need `parallel.init` first."""
     cfg = ModelConfig.from_dir(path)
     ck = Checkpoint(path)
@@ -87,7 +87,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model = DeepseekV4(cfg, with_mtp=with_mtp)
     if quantization == "w8a8":
         to_w8a8(model)
-    layout = parallel.shard_model(model, rank, world) if world > 1 else None
+    layout = sharding.shard_model(model, rank, world) if world > 1 else None
     _set_dtypes(model, dtype)
     sd = model.state_dict()
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
@@ -123,7 +123,7 @@ def _set_dtypes(model: DeepseekV4, dtype: torch.dtype) -> None:
                 t.data = t.data.to(want)
 
 
-def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: parallel.Layout | None = None
+def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: sharding.Layout | None = None
                      ) -> dict[str, tuple[int, ...]]:
     """Names and shapes the streamed checkpoint will fill (only this rank's slices under
     a `layout`): a float weight converted at load time also fills its int8 linear's `scale`."""
@@ -148,7 +148,7 @@ def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: parallel.Layout 
 @torch.no_grad()
 def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
                  progress: Callable[[int, int], None] | None, counts: RowCounts,
-                 layout: parallel.Layout | None = None) -> None:
+                 layout: sharding.Layout | None = None) -> None:
     """Read every tensor (or this rank's slice of it) once, convert it, copy it into the
     model's storage (fused views included)."""
     dest = model.state_dict()  # detached views of the model's own storage

@@ -75,7 +75,7 @@ class MoE(nn.Module):
                                      for _ in range(cfg.n_routed_experts))
         self.shared_experts = (Expert(cfg.hidden_size, inter * cfg.n_shared_experts, cfg.swiglu_limit)
                                if cfg.n_shared_experts else None)
-        self.local = range(cfg.n_routed_experts)  # the experts this rank holds (parallel.shard_model)
+        self.local = range(cfg.n_routed_experts)  # the experts this rank holds (sharding.shard_model)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]: the shared expert, plus each routed expert's

@@ -40,7 +40,7 @@ def is_quantized(module_name: str) -> bool:
 class QuantLinear(nn.Module):
     """int8 `weight` [out, in] and float32 `scale` [out] (buffers, saved as ``X.weight`` /
     ``X.scale``); forward quantises x per token and multiplies exactly (`kernels`).
-    A row-parallel slice (`row_parallel`, set by `parallel.shard_model`) quantises each
+    A row-parallel slice (`row_parallel`, set by `sharding.shard_model`) quantises each
     token with the amax of its whole row, so the ranks' int32 partial sums add up to the
     unsplit product's."""
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from dsv4.model import parallel
+from dsv4.model import parallel, sharding
 from dsv4.model.loader import load_model
 from dsv4.model.state import Batch
 from tests.checkpoints import write_tiny_checkpoint
@@ -154,5 +154,5 @@ def test_four_ranks_equal_one(tmp_path: Path):
 def test_bad_world_size_is_refused():
     from tests.model.tiny import tiny_config
 
-    with pytest.raises(parallel.ParallelError, match=r"--tensor-parallel-size 3 does not divide the model's attention heads \(4\)"):
-        parallel.check_sizes(tiny_config(), 3)
+    with pytest.raises(sharding.ParallelError, match=r"--tensor-parallel-size 3 does not divide the model's attention heads \(4\)"):
+        sharding.check_sizes(tiny_config(), 3)

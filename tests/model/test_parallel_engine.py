@@ -19,7 +19,7 @@ import torch
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.config import EngineConfig, EngineConfigError
 from dsv4.engine.ranks import RankError
-from dsv4.model import parallel
+from dsv4.engine import plan
 from tests.checkpoints import write_tiny_checkpoint
 
 GEN = 8
@@ -95,7 +95,7 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(tiny_checkpoint):
     llm = LLM(tiny_checkpoint, tensor_parallel_size=2, num_speculative_tokens=1, max_num_seqs=2, max_model_len=128)
     try:
         pids = llm.engine.ranks.pids
-        assert type(parallel._CHANNEL).__name__ == "ShmChannel"  # one host: the plans go through shared memory
+        assert type(plan.channel()).__name__ == "ShmChannel"  # one host: the plans go through shared memory
         llm.engine.add_request(_prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()  # mid-request
         os.kill(pids[0], signal.SIGKILL)

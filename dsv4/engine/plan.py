@@ -1,0 +1,87 @@
+"""Rank 0's per-step messages to the other ranks under tensor parallelism: what they say
+and which way they travel.
+
+Every step `Runner.execute` on rank 0 sends the plan (`plan_message`: rows, prompts
+when a request starts, decode tokens with their drafts, the step's K), then, after the
+dispatch, its sampled results; each other rank rebuilds the plan on shadow requests
+(`follow`) and runs the same dispatches on its shard. Both go through `broadcast`: the
+channel `use_channel` installed (on one host `transport.ShmChannel`, shared memory with
+only a header through the group), else the group's own object broadcast
+(`parallel.broadcast_object`). This module owns the channel; `ranks` installs it when the
+group is joined and closes it (`close_channel`) before leaving the group.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..model import parallel
+from .request import Request
+from .sampling import SamplingParams
+
+_CHANNEL: Any = None  # a transport.ShmChannel on one host; None: through the group
+
+
+def use_channel(channel: Any) -> None:
+    """Send `broadcast`'s messages through `channel` (its `broadcast(obj)`; None: the group)."""
+    global _CHANNEL
+    _CHANNEL = channel
+
+
+def channel() -> Any:
+    """The channel `use_channel` installed (None: messages go through the group)."""
+    return _CHANNEL
+
+
+def close_channel() -> None:
+    """Close and drop the channel (a no-op when there is none)."""
+    global _CHANNEL
+    if _CHANNEL is not None:
+        _CHANNEL.close()
+        _CHANNEL = None
+
+
+def broadcast(obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (a step's plan, then its results): through the channel
+    when one is installed, else `parallel.broadcast_object`. Counted in `parallel.STATS`
+    as "broadcast_object" either way."""
+    if _CHANNEL is None or parallel.world_size() == 1:
+        return parallel.broadcast_object(obj)
+    t0 = time.perf_counter()
+    out = _CHANNEL.broadcast(obj)
+    parallel.count("broadcast_object", t0)
+    return out
+
+
+def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
+                 drafts: dict[int, list[int]], k_draft: int) -> tuple[list, list, int]:
+    """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, and
+    the drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K)."""
+    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
+            [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
+             for r, n in decodes], k_draft)
+
+
+def follow(runner: Any) -> None:
+    """A worker's loop: run every step rank 0 broadcasts on `runner` (a `Runner`), until
+    the stop message (None)."""
+    shadows: dict[int, Request] = {}
+    while True:
+        msg = broadcast(None)
+        if msg is None:
+            return
+        pre, dec, runner.k_draft = msg  # auto K: the MTP depth of this step, as rank 0 chose it
+        prefills, decodes = [], []
+        for slot, start, n, prompt, k in pre:
+            if prompt is not None:
+                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
+            shadows[slot].num_spec = k
+            prefills.append((shadows[slot], start, n))
+        for slot, n, computed, last, k, drafts in dec:
+            req = shadows[slot]
+            req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
+            runner.drafts[slot] = list(drafts)
+            decodes.append((req, n))
+        runner.execute(prefills, decodes)
