@@ -4,7 +4,7 @@ Everything works on flat dicts of tensors keyed by the official names (no prefix
 e.g. ``embed.weight``, ``layers.3.attn.wq_a.weight`` (+ ``layers.3.attn.wq_a.scale``),
 ``layers.3.ffn.experts.7.w1.weight`` (+ ``.scale``), ``layers.0.ffn.gate.tid2eid``.
 
-On disk (docs/deepseek-v4.md section 5):
+On disk, as DeepSeek publishes V4 (docs/quantization.md, "Formats on disk"):
 - FP8 tensors: ``X.weight`` F8_E4M3 + ``X.scale`` F8_E8M0, one scale per 128x128 block;
 - FP4 routed experts: ``X.weight`` I8 (two e2m1 per byte) + ``X.scale`` F8_E8M0 per 1x32;
 - ``hc_*``, ``attn_sink``, ``compressor.ape``, ``ffn.gate.bias`` F32; ``tid2eid`` I64;

@@ -1,4 +1,4 @@
-"""The MTP block against a composition by hand (deepseek-v4.md section 3), with
+"""The MTP block against a composition by hand (docs/architecture.md, "The model in one paragraph"), with
 transformers' decoder layer and hyper-connection head as the independent block."""
 
 from __future__ import annotations
