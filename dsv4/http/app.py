@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/models, /v1/completions, /v1/chat/completions,
-/health, /metrics. The contract is docs/http-api.md of the project's shared docs.
+/health, /metrics. What clients may rely on is in the README, "OpenAI-compatible HTTP API".
 
 Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
 (one DEALER for the whole app); the reply queue is read until the final message.
