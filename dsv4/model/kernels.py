@@ -5,8 +5,13 @@
 
 The product is an exact int8 x int8 -> int32 matmul, rescaled by the token scales and
 the row scales in float32: y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n].
-Per-token quantisation makes every row independent of the rows batched with it, so
-chunked prefill, batching and speculation see the same numbers for a token.
+Per-token quantisation makes every row independent of the rows batched with it: the same
+float row gives the same output bits alone or in any batch, on every CPU. The float ops
+around the linears are not bit-identical across batch shapes (MKL and ATen choose kernels by
+shape and by CPU), and per-token rounding turns such a last-bit difference into a one-step
+flip of an int8 activation. So under w8a8, chunked = whole, batched = alone and MTP on = off
+hold within the model's quantisation error, not exactly (README "Quantization": measured
+at most 0.57 of it; tests/model/conftest.py `bound`); in float32 they hold to 1e-5.
 
 Backends, picked by the device of x:
 * cpu: `torch._int_mm` (no shape rules on CPU; checked with M = 1, K = 17, N = 5);

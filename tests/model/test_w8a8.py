@@ -1,6 +1,8 @@
 """--quantization w8a8: the int8 kernel, FP4/FP8 -> int8 conversion, loading, `dsv4 convert`,
 and the one-line errors for bad input. (The engine invariants under w8a8 run in
-test_incremental.py, test_mtp.py and test_engine.py through their parametrisation.)"""
+test_incremental.py, test_mtp.py and test_engine.py through their parametrisation, within
+the model's quantisation error: see tests/model/conftest.py `bound`. What is exact is the
+kernel: a row's output is bit for bit the same whatever it is batched with.)"""
 
 from __future__ import annotations
 
@@ -36,6 +38,19 @@ def test_w8a8_linear_is_the_exact_int_product_rescaled():
     for i in range(5):
         assert torch.equal(kernels.w8a8_linear(x[i:i + 1], wq, ws), ref[i:i + 1])
     assert kernels.w8a8_linear(x.view(5, 1, 48), wq, ws).shape == (5, 1, 24)
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (256, 24), (1000, 130)])
+def test_w8a8_rows_are_bitwise_independent_of_the_batch(k, n):
+    """The part of w8a8 that is batch-invariant on every CPU (the suite runs it under each
+    ATEN_CPU_CAPABILITY): the same float row gives the same output bits alone or among
+    1..64 rows, since quantisation is per token and the int8 product is exact."""
+    x = torch.randn(64, k, generator=_g(3)) * torch.logspace(-2, 2, 64)[:, None]
+    wq, ws = from_float(torch.randn(n, k, generator=_g(4)))
+    alone = torch.cat([kernels.w8a8_linear(x[i:i + 1], wq, ws) for i in range(64)])
+    for m in (2, 3, 5, 8, 16, 17, 33, 64):
+        for lo in range(0, 64, m):
+            assert torch.equal(kernels.w8a8_linear(x[lo:lo + m], wq, ws), alone[lo:lo + m]), (m, lo)
 
 
 def test_quantize_tokens_rounds_within_half_a_step():
