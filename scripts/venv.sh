@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install dsv4 into it with the CPU build of torch.
-#   scripts/venv.sh [EXTRAS]     e.g. scripts/venv.sh test
+#   scripts/venv.sh [EXTRAS]     e.g. scripts/venv.sh http (what ./dsv4.sh installs: serve --http),
+#                                     scripts/venv.sh test (what ./test.sh installs: http included)
+# DSV4_VENV names another environment directory (default .venv, relative to the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${DSV4_VENV:-.venv}

@@ -175,18 +175,18 @@ def _int_list(flag: str, value: str) -> list[int]:
 
 
 def bench(
-    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", min=1, max=O.MAX_INT, help="Prompt tokens per request.")]
+    prompt_len: Annotated[int, typer.Option("--prompt-len", metavar="N", callback=O.int_range(1), help="Prompt tokens per request.")]
     = 256,
-    gen_len: Annotated[int, typer.Option("--gen-len", metavar="N", min=1, max=O.MAX_INT, help="Tokens generated per request.")]
+    gen_len: Annotated[int, typer.Option("--gen-len", metavar="N", callback=O.int_range(1), help="Tokens generated per request.")]
     = 16,
     concurrency: Annotated[str, typer.Option("--concurrency", metavar="LIST",
                                              help="Comma-separated concurrency levels.")] = "1,8",
-    num_prompts: Annotated[int, typer.Option("--num-prompts", metavar="N", min=1, max=O.MAX_INT,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", metavar="N", callback=O.int_range(1),
                                              help="Measured requests per concurrency level and arm.")] = 16,
     mtp: Annotated[str, typer.Option("--mtp", metavar="LIST", help="Arms to run: on, off or on,off.")] = "on,off",
     dataset: Annotated[str, typer.Option("--dataset", metavar="random|FILE",
                                          help="Random token ids, or windows of a text FILE.")] = "random",
-    warmup: Annotated[int, typer.Option("--warmup", metavar="N", min=0, max=O.MAX_INT,
+    warmup: Annotated[int, typer.Option("--warmup", metavar="N", callback=O.int_range(0),
                                         help="Warmup requests before each measured run.")] = 2,
     json_file: Annotated[Optional[str], typer.Option("--json", metavar="FILE",
                                                      help="Write all results as JSON to FILE ('-' = stdout).")]

@@ -35,11 +35,16 @@ app = typer.Typer(
     pretty_exceptions_enable=False, context_settings={"help_option_names": ["-h", "--help"]},
     help="Serve DeepSeek V4 from one machine: a long-lived daemon holds the model, the CLI talks to it.",
 )
-app.command("run", help="Generate text for a prompt (argument, '-' or piped stdin); stream it to stdout.")(run)
-app.command("chat", help="Chat with the daemon's model interactively: history, /set, /clear, /bye; "
-                         "Ctrl-C cancels the current answer.")(chat)
-app.command("bench", help="Benchmark the daemon (or --local): TTFT, TPOT, throughput, MTP acceptance, "
-                          "MTP on versus off.")(bench)
+# Each command's line in `dsv4 --help` is its `short_help`: a whole sentence, where click
+# would cut the help text at its first period ("e.g.") or at 45 characters.
+app.command("run", short_help="Generate text for a prompt and stream it to stdout.",
+            help="Generate text for a prompt (argument, '-' or piped stdin); stream it to stdout.")(run)
+app.command("chat", short_help="Chat with the daemon's model interactively.",
+            help="Chat with the daemon's model interactively: history, /set, /clear, /bye; "
+                 "Ctrl-C cancels the current answer.")(chat)
+app.command("bench", short_help="Benchmark the daemon: latency, throughput and MTP acceptance.",
+            help="Benchmark the daemon (or --local): TTFT, TPOT, throughput, MTP acceptance, "
+                 "MTP on versus off.")(bench)
 
 
 def _version(value: bool) -> None:
@@ -54,7 +59,7 @@ def _root(version: Annotated[bool, typer.Option("--version", callback=_version, 
     """Serve DeepSeek V4 from one machine."""
 
 
-@app.command()
+@app.command(short_help="Load the model and serve it (in the background with --detach).")
 def serve(
     model: O.Model = None, device: O.Device = None, dtype: O.Dtype = None, max_num_seqs: O.MaxNumSeqs = None,
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
@@ -90,6 +95,7 @@ def serve(
     config = O.build_config(kw)  # validation only: no weights are read
     http_server = None
     if http is not None:
+        O.check_extra("http", ("fastapi", "uvicorn", "prometheus_client"), "--http")
         from dsv4.http.server import HttpError, HttpServer, parse_address
 
         try:
@@ -113,14 +119,15 @@ def serve(
             raise CliError(str(e), O.EXIT_TIMEOUT) from None
         except RuntimeError as e:
             raise CliError(str(e)) from None
-        print(f"dsv4 daemon started: pid {pid}, endpoint {endpoint}, log {logf}")
+        url = f", OpenAI API at http://{http_server.address}/v1" if http_server is not None else ""
+        print(f"dsv4 daemon started: pid {pid}, endpoint {endpoint}{url}, log {logf}")
         raise typer.Exit(O.EXIT_OK)
     from dsv4.daemon.process import run_daemon
 
     raise typer.Exit(run_daemon(config, endpoint, http_server, api_key=api_key, given=set(kw)))
 
 
-@app.command()
+@app.command(short_help="Show the daemon's model, uptime, requests and throughput.")
 def status(
     socket: O.Socket = None, api_key: O.ApiKey = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
@@ -139,7 +146,7 @@ def status(
     print("\n".join(status_lines(st)))
 
 
-@app.command()
+@app.command(short_help="Stop the daemon and wait until it has exited.")
 def stop(
     socket: O.Socket = None, api_key: O.ApiKey = None,
     timeout: Annotated[float, typer.Option("--timeout", metavar="SECONDS", min=0,
@@ -159,7 +166,7 @@ def stop(
     O.err(f"dsv4 daemon (pid {pong.get('pid')}) stopped")
 
 
-@app.command()
+@app.command(short_help="Convert a checkpoint to w8a8 once, ahead of serving it.")
 def convert(
     src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint directory to convert (official layout).")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="New directory to write the converted checkpoint to.")],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
@@ -39,6 +39,47 @@ def err(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def int_range(minimum: int | None = None, maximum: int = MAX_INT) -> Callable[[Optional[int]], Optional[int]]:
+    """Option callback: an integer in minimum..maximum, else a usage error naming the option.
+    Used instead of typer's min/max, whose help prints `[x<=2147483647]` on every count."""
+
+    def check(value: Optional[int]) -> Optional[int]:
+        if value is not None and minimum is not None and value < minimum:
+            raise typer.BadParameter(f"must be at least {minimum}, got {value}")
+        if value is not None and value > maximum:
+            raise typer.BadParameter(f"must be at most {maximum}, got {value}")
+        return value
+
+    return check
+
+
+def install_hint(extra: str) -> str:
+    """The command that installs the `extra` into the Python running dsv4: the checkout's
+    scripts/venv.sh when this is its virtual environment, else this interpreter's pip
+    (a bare `pip` on PATH may belong to another Python)."""
+    import os
+
+    root = Path(dsv4.__file__).resolve().parents[1]
+    python = sys.executable or "python3"
+    if not (root / "pyproject.toml").is_file():
+        return f"{python} -m pip install 'dsv4[{extra}]'"
+    venv = Path(os.environ.get("DSV4_VENV") or ".venv")
+    venv = venv if venv.is_absolute() else root / venv
+    if (root / "scripts" / "venv.sh").is_file() and Path(sys.prefix).resolve() == venv.resolve():
+        return f"{root / 'scripts' / 'venv.sh'} {extra}"
+    return f"{python} -m pip install -e '{root}[{extra}]'"
+
+
+def check_extra(extra: str, modules: tuple[str, ...], flag: str) -> None:
+    """A usage error naming the missing module and how to install `extra` when one of
+    `modules` cannot be imported (checked without importing them)."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise CliError(f"{flag} needs the {extra} extra ({missing[0]} is missing): {install_hint(extra)}", EXIT_USAGE)
+
+
 # ---------------------------------------------------------------------- option types
 Socket = Annotated[Optional[str], typer.Option(
     "--socket", metavar="ENDPOINT",
@@ -63,16 +104,16 @@ Dtype = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="DTYPE", rich_help_panel=ENGINE_PANEL,
     help="auto, float32, bfloat16 or float16 [default: auto = float32 on cpu, bfloat16 otherwise]")]
 MaxNumSeqs = Annotated[Optional[int], typer.Option(
-    "--max-num-seqs", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
+    "--max-num-seqs", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
     help="Most requests running at once (state slots) [default: 8]")]
 MaxModelLen = Annotated[Optional[int], typer.Option(
-    "--max-model-len", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
+    "--max-model-len", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
     help="Most tokens (prompt + output) of one request [default: min(model maximum, 2048)]")]
 MaxBatched = Annotated[Optional[int], typer.Option(
-    "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
+    "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
     help="Token budget of one engine step [default: prefill limit + max-num-seqs * (1 + K)]")]
 LongPrefill = Annotated[Optional[int], typer.Option(
-    "--long-prefill-token-threshold", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_INT,
+    "--long-prefill-token-threshold", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
     help="Lower the prefill chunk size below the model's prefill limit (0 = no extra limit) [default: 0]")]
 Chunked = Annotated[Optional[bool], typer.Option(
     "--enable-chunked-prefill/--no-enable-chunked-prefill", rich_help_panel=ENGINE_PANEL, show_default=False,
@@ -83,13 +124,14 @@ NumSpec = Annotated[Optional[str], typer.Option(
     help="MTP drafts per decode step, 0 = off; auto = 0..3 chosen each step from measured step costs and "
          "the acceptance rate [default: auto when the checkpoint has MTP weights, else 0]")]
 EngineSeed = Annotated[Optional[int], typer.Option(
-    "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, max=MAX_SEED, help="Engine random seed [default: 0]")]
+    "--seed", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(0, MAX_SEED),
+    help="Engine random seed, 0..2^64-1 [default: 0]")]
 Profile = Annotated[Optional[Path], typer.Option(
     "--profile", metavar="DIR", rich_help_panel=ENGINE_PANEL, envvar="DSV4_PROFILE_DIR", show_envvar=False,
     help="Write torch profiler traces of engine steps (prefill chunks, verify, MTP) into DIR; off by default "
          "[env: DSV4_PROFILE_DIR]")]
 Threads = Annotated[Optional[int], typer.Option(
-    "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, min=1,
+    "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(1),
     help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
          "[default: $OMP_NUM_THREADS, else the CPUs this process may use, at most 16]")]
 Quantization = Annotated[Optional[str], typer.Option(

@@ -28,7 +28,7 @@ def run(
     prompt: Annotated[Optional[str], typer.Argument(
         metavar="[PROMPT|-]", help="The prompt; '-' reads it from stdin. Piped stdin comes before PROMPT.",
         show_default=False)] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, max=O.MAX_INT, help="Most tokens to generate.")]
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", callback=O.int_range(1), help="Most tokens to generate.")]
     = 256,
     temperature: Annotated[Optional[float], typer.Option(
         "--temperature", metavar="T", min=0.0, show_default=False, callback=O.finite,
@@ -38,7 +38,7 @@ def run(
         help="Nucleus sampling: keep the top tokens with this much mass [default: the model's, else 1 = off]")]
     = None,
     top_k: Annotated[Optional[int], typer.Option(
-        "--top-k", metavar="K", min=0, max=O.MAX_INT, show_default=False,
+        "--top-k", metavar="K", callback=O.int_range(0), show_default=False,
         help="Keep the K most likely tokens; 0 = all [default: the model's, else 0]")] = None,
     min_p: Annotated[Optional[float], typer.Option(
         "--min-p", metavar="P", min=0.0, max=1.0, show_default=False, callback=O.finite,
@@ -54,8 +54,8 @@ def run(
     frequency_penalty: Annotated[Optional[float], typer.Option(
         "--frequency-penalty", metavar="F", show_default=False, callback=O.finite,
         help="Subtract F per earlier occurrence in the output, -2..2 [default: the model's, else 0]")] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", metavar="N", min=0,
-                                                max=O.MAX_SEED, help="Seed for sampling (reproducible output).")] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", metavar="N", callback=O.int_range(0, O.MAX_SEED),
+                                                help="Seed for sampling (reproducible output), 0..2^64-1.")] = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", metavar="TEXT",
                                                       help="Stop when TEXT is generated (repeatable).")] = None,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Keep generating past end-of-sequence.")] = False,

@@ -32,7 +32,7 @@ from dsv4.daemon.paths import check_socket_dir, check_socket_file, daemon_pid, i
 PING_TIMEOUT_S = 3.0
 BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers between engine steps, which can be long
 SILENCE_TIMEOUT_S = 60.0  # tcp only: no word from the daemon for this long means it is gone
-NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve'"
+NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
 
 
 class DaemonUnreachable(Exception):
@@ -160,7 +160,7 @@ class Client:
                                         f"within {timeout_s:g} s; is it still loading the model?") from None
             raise DaemonUnreachable(NOT_RUNNING if path is not None else
                                     f"no dsv4 daemon answers on {self.endpoint}; start it with "
-                                    f"'dsv4 serve --socket {self.endpoint}'") from None
+                                    f"'dsv4 serve --detach --socket {self.endpoint}'") from None
         return self.daemon
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:

@@ -9,7 +9,8 @@ Foreground (`run_daemon`):
 
 Detached (`spawn_detached`): start the foreground daemon as a new session with its
 output appended to the log file (0600, never through a symlink), wait until it answers
-a ping (or dies), report. The child is this interpreter in safe-path mode (`-P`: the
+a ping (or dies), report; a daemon that dies while starting is reported by the last
+error it logged (a port in use, a bad checkpoint), in one line. The child is this interpreter in safe-path mode (`-P`: the
 working directory is not on sys.path) started in `/`, so a `./dsv4/` package where the
 user happens to stand is never imported; its key (if any) travels in the environment,
 not on the command line.
@@ -260,6 +261,7 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
     logf = log_file()
     logf.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = open_private(logf, os.O_WRONLY | os.O_APPEND)
+    start = os.fstat(fd).st_size  # where this daemon's lines begin
     env = dict(os.environ)
     if api_key:
         env["DSV4_API_KEY"] = api_key
@@ -272,7 +274,9 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
     while True:
         rc = proc.poll()
         if rc is not None:
-            raise RuntimeError(f"the daemon exited with status {rc} while starting; see {logf}")
+            why = startup_error(logf, start)
+            raise RuntimeError(f"the daemon did not start: {why} (log: {logf})" if why else
+                               f"the daemon exited with status {rc} while starting; see {logf}")
         if daemon_pid(endpoint) == proc.pid:
             with Client(endpoint, api_key=api_key) as c:
                 try:
@@ -283,3 +287,21 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
         if time.monotonic() > deadline:
             raise TimeoutError(f"the daemon (pid {proc.pid}) did not answer within {timeout_s:g} s; see {logf}")
         time.sleep(0.1)
+
+
+def startup_error(logf: Path, start: int) -> str | None:
+    """The last error a daemon wrote to its log from byte `start` on: a logged ERROR
+    record's message, or the CLI's own one-line 'dsv4: ...' message; None if there is none."""
+    try:
+        with open(logf, "rb") as f:
+            f.seek(start)
+            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        _, sep, message = line.partition(" ERROR ")
+        if sep and message.strip():
+            return message.strip()
+        if line.startswith("dsv4: "):
+            return line[len("dsv4: "):].strip()
+    return None

@@ -14,7 +14,7 @@ import pytest
 from dsv4.daemon.paths import daemon_pid
 from tests.e2e.util import Daemon, dsv4, env_for, short_dir, spawn, status, wait_until
 
-NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve'"
+NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
 
 
 @pytest.mark.parametrize("args,message", [

@@ -118,3 +118,44 @@ def test_exit_statuses_documented(man: dict[str, list[str]]) -> None:
     documented = {int(t) for t in _tp_tags(man["SH EXIT STATUS"])}
     codes = {v for k, v in vars(O).items() if k.startswith("EXIT_")}
     assert codes == documented == {0, 1, 2, 69, 75, 130}
+
+
+def test_top_level_help_gives_each_command_a_whole_sentence(group: object, capsys: pytest.CaptureFixture,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Click would cut a summary at its first period ("Convert a checkpoint (e.g.") or at 45
+    characters ("...;..."); each command's line is its whole `short_help` instead."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().out.split("Commands:\n", 1)[1]
+    summaries: dict[str, str] = {}
+    for line in listing.splitlines():
+        name, _, text = line.strip().partition(" ")
+        if line.startswith("  ") and not line.startswith("   "):
+            summaries[name] = text.strip()
+        elif line.strip():
+            summaries[list(summaries)[-1]] += " " + line.strip()
+    commands = group.commands  # type: ignore[attr-defined]
+    assert set(summaries) == set(commands)
+    for name, text in summaries.items():
+        assert text == commands[name].short_help and text.endswith(".") and "..." not in text, (name, text)
+
+
+@pytest.mark.parametrize("name", ["serve", "run", "chat", "bench", "status", "stop", "convert"])
+def test_help_prints_no_integer_overflow_bounds(name: str, capsys: pytest.CaptureFixture,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main([name, "--help"]) == 0
+    out = capsys.readouterr().out
+    for noise in (str(O.MAX_INT), str(O.MAX_SEED), "x<=2", "1<=x", "0<=x<=1844"):
+        assert noise not in out, f"dsv4 {name} --help prints {noise!r}"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--max-tokens", "0", "x"], "'--max-tokens': must be at least 1, got 0"),
+    (["run", "--max-tokens", str(2**31), "x"], f"'--max-tokens': must be at most {2**31 - 1}, got {2**31}"),
+    (["run", "--seed", "-1", "x"], "'--seed': must be at least 0, got -1"),
+    (["serve", "--threads", "0"], "'--threads': must be at least 1, got 0"),
+])
+def test_integer_bounds_still_hold(args: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(args) == O.EXIT_USAGE
+    assert message in capsys.readouterr().err

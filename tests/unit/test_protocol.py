@@ -326,7 +326,7 @@ def test_shutdown_cancels_in_flight_and_tells_clients(harness: Harness) -> None:
 def test_no_daemon_is_reported_quickly(tmp_path: Path) -> None:
     ep = f"ipc://{tmp_path}/none.sock"
     t = time.monotonic()
-    with Client(ep) as c, pytest.raises(DaemonUnreachable, match="not running; start it with 'dsv4 serve'"):
+    with Client(ep) as c, pytest.raises(DaemonUnreachable, match="not running; start it with 'dsv4 serve --detach'"):
         c.connect()
     (tmp_path / "none.sock").touch()  # a stale socket file, nobody holding the lock
     with Client(ep) as c, pytest.raises(DaemonUnreachable, match="stale"):
