@@ -59,11 +59,15 @@ class Session:
                 return ", ".join(f"{k} {v}" for k, v in self.params.items()) + " (others: the model's defaults)"
             if len(parts) != 3 or parts[1] not in SETTABLE:
                 raise ValueError(f"usage: /set NAME VALUE with NAME one of {', '.join(SETTABLE)}")
+            name, kind = parts[1], SETTABLE[parts[1]]
             try:
-                self.params[parts[1]] = SETTABLE[parts[1]](parts[2])
+                value = kind(parts[2])
             except ValueError:
-                raise ValueError(f"{parts[1]} takes a number, got {parts[2]!r}") from None
-            return f"{parts[1]} = {self.params[parts[1]]}"
+                raise ValueError(f"{name} takes {'an integer' if kind is int else 'a number'}, "
+                                 f"got {parts[2]!r}") from None
+            check_params({**self.params, name: value})
+            self.params[name] = value
+            return f"{name} = {value}"
         if name in ("/help", "/?"):
             return HELP
         raise ValueError(f"unknown command {name}; {HELP}")
@@ -79,6 +83,18 @@ class Session:
 
     def answered(self, user_text: str, answer: str) -> None:
         self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+
+
+def check_params(params: dict[str, Any]) -> None:
+    """Refuse sampling parameters the daemon would refuse (`SamplingParams` validation,
+    ValueError with its message), when they are set rather than at the next turn."""
+    from dsv4.engine.errors import RequestError
+    from dsv4.engine.sampling import SamplingParams  # imports torch: only once something is /set
+
+    try:
+        SamplingParams.from_dict(params)
+    except RequestError as e:
+        raise ValueError(f"refused: {e}") from None
 
 
 def _readline() -> Callable[[str], str]:
@@ -105,6 +121,9 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
         except TokenizerError:
             tokenizer = None
         session = Session(tokenizer, system, thinking)
+        if (system is not None or thinking) and tokenizer is not None and not session.template:
+            raise CliError(f"{'--think' if thinking else '--system'}: this model has no chat template, so no "
+                           f"{'thinking mode' if thinking else 'system prompt'}", O.EXIT_USAGE)
         session.params.update(params or {})
         O.err(f"dsv4 chat with {Path(model).name or 'the daemon'} "
               f"({'chat template' if session.template else 'plain continuation'}); /bye to leave, /? for help")
@@ -159,7 +178,7 @@ def chat(
     temperature: Annotated[Optional[float], typer.Option(
         "--temperature", metavar="T", min=0.0, show_default=False, callback=O.finite,
         help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", min=1, max=O.MAX_INT,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", callback=O.int_range(1),
                                             help="Most tokens per answer.")] = 256,
     socket: O.Socket = None, api_key: O.ApiKey = None,
 ) -> None:

@@ -166,13 +166,17 @@ class Tokenizer:
 
         chat: BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> if thinking else </think>).
         raw:  (BOS +) text as is; `system` and `thinking` are ignored.
-        auto: chat when the vocabulary has the chat tokens, raw otherwise.
+        auto: chat when the vocabulary has the chat tokens, raw otherwise; then a `system`
+              prompt or `thinking` raises TokenizerError (the model has no chat template).
         `add_bos` None: BOS for chat, `self.add_bos` (the tokenizer's files) for raw.
         """
         if mode not in ("auto", "chat", "raw"):
             raise TokenizerError(f"unknown prompt mode {mode!r} (expected auto, chat or raw)")
         if mode == "auto":
             mode = "chat" if self.has_chat_tokens else "raw"
+            if mode == "raw" and (thinking or system):  # refused, not ignored (as the HTTP API does)
+                raise TokenizerError(f"this model has no chat template, so no "
+                                     f"{'thinking mode' if thinking else 'system prompt'}")
         if mode == "raw":
             return self.encode(text, add_bos=self.add_bos if add_bos is None else add_bos)
         user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)

@@ -91,3 +91,35 @@ def test_run_without_a_prompt_on_a_terminal_chats(daemon):
         assert t.proc.wait(20) == 0
     finally:
         t.close()
+
+
+def test_set_refuses_what_the_daemon_would_refuse(daemon):
+    """/set checks the value as the daemon's SamplingParams validation does, at once,
+    instead of failing the next turn; the refused value is not kept."""
+    t = Pty("chat", endpoint=daemon.endpoint)
+    try:
+        t.expect(">>> ")
+        for line, message in [("/set temperature -1", "refused: temperature must be in [0.0, inf), got -1.0"),
+                              ("/set top_p 0", "refused: top_p must be in"),
+                              ("/set top_k 1.5", "top_k takes an integer, got '1.5'")]:
+            t.send(line + "\r")
+            t.expect(message)
+            t.expect(">>> ")
+        t.send("/set\r")
+        assert "temperature" not in t.expect(">>> ")
+        t.send("/set temperature 0.5\r")
+        t.expect("temperature = 0.5")
+        t.expect(">>> ")
+        t.send("/bye\r")
+        assert t.proc.wait(20) == 0
+    finally:
+        t.close()
+
+
+def test_chat_think_without_a_chat_template_is_refused(daemon):
+    t = Pty("chat", "--think", endpoint=daemon.endpoint)
+    try:
+        t.expect("--think: this model has no chat template, so no thinking mode")
+        assert t.proc.wait(20) == 2
+    finally:
+        t.close()

@@ -188,3 +188,15 @@ def test_ctrl_c_cancels_and_exits_130(daemon: Daemon) -> None:
     assert p.wait(10) == 130
     assert time.monotonic() - t < 5
     assert wait_until(lambda: _idle(daemon), timeout=5), status(daemon.endpoint)
+
+
+@pytest.mark.parametrize("flag, what", [(["--system", "Be brief."], "system prompt"), (["--think"], "thinking mode")])
+def test_chat_flags_without_a_chat_template_are_refused(daemon: Daemon, tiny_model: Path, flag: list[str],
+                                                        what: str) -> None:
+    """The tiny models have no chat template: --system and --think are refused (as the HTTP
+    API refuses thinking there), not silently dropped."""
+    for r in (dsv4("run", *flag, PROMPT, endpoint=daemon.endpoint),
+              dsv4("run", "--local", "--model", str(tiny_model), *flag, PROMPT)):
+        assert r.returncode == 1 and r.stdout == "", r.stderr  # a request this model cannot serve
+        assert r.stderr.strip().endswith(f"this model has no chat template, so no {what}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1

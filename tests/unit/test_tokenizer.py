@@ -217,6 +217,11 @@ def test_chat_mode_needs_chat_tokens(tmp_path: Path) -> None:
     tiny = Tokenizer.from_dir(TINY_DIR)
     with pytest.raises(TokenizerError, match="<｜User｜>"):
         tiny.encode_prompt("hello", mode="chat")
+    with pytest.raises(TokenizerError, match="no chat template, so no system prompt"):
+        tiny.encode_prompt("hello", system="Be brief.")  # auto: refused, not dropped
+    with pytest.raises(TokenizerError, match="no chat template, so no thinking mode"):
+        tiny.encode_prompt("hello", thinking=True)
+    assert tiny.encode_prompt("hello", mode="raw", system="x", thinking=True) == tiny.encode("hello")
 
 
 # --- the embedded tiny-shakespeare tokenizer -----------------------------------------------
