@@ -1,10 +1,14 @@
-"""Admission of requests into the daemon: the gate before decoding, and text prompts to token ids.
+"""Admission of requests into the daemon: the gate before decoding, the client table, and
+text prompts to token ids.
 
 `Admission` is a part of `Server` (a mixin: it uses the server's socket, engine, client
 table and limits), kept apart so each file stays readable:
 
     _admit(client, frames)   API key (hmac.compare_digest, first), client limit (busy),
                              one frame, frame size (over the --max-model-len limit: too_large)
+    _early_pong(...)         on the step watch's thread, during a slow step: pings with the
+                             right key answered at once (`watch.StepWatch`)
+    _drop_client(...)        a client gone or silent: its requests cancelled
     _generate(...)           request limit (busy), sampling params, text byte limit (before
                              tokenizing), then tokenize inline (small) or on the worker (big)
     _collect_tokenized()     requests whose prompts the worker finished go to the engine
@@ -14,16 +18,21 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
+from dsv4 import __version__
 from dsv4.daemon import protocol as P
 from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES
 
 log = logging.getLogger("dsv4.daemon")
 
 SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
+EARLY_PING_BYTES = 1024  # the step watch decodes frames up to this size, looking for pings
 
 
 @dataclass
@@ -60,14 +69,12 @@ class Admission:
     def _admit(self, client: bytes, body: list[bytes]) -> tuple[ClientState, bytes] | None:
         """The gate before a message is decoded: API key (constant time), client limit, one
         frame, frame size. Returns (client state, frame), or None after an error reply."""
-        if len(body) == 2 and body[0].startswith(P.KEY_PREFIX):
-            key, body = body[0], body[1:]
-        else:
-            key = b""
-        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
+        unkeyed = self._unkeyed(body)
+        if unkeyed is None:
             self._send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
                                        "--api-key or DSV4_API_KEY"), reap=False)
             return
+        body = unkeyed
         now = time.monotonic()
         state = self._clients.get(client)
         if state is None:
@@ -89,6 +96,58 @@ class Admission:
                                        f"prompt"))
             return
         return state, body[0]
+
+    def _unkeyed(self, body: list[bytes]) -> list[bytes] | None:
+        """The frames after the key frame (if any); None when this daemon's key is missing or
+        wrong (compared in constant time). Reads no mutable state: the step watch calls it too."""
+        if len(body) == 2 and body[0].startswith(P.KEY_PREFIX):
+            key, body = body[0], body[1:]
+        else:
+            key = b""
+        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
+            return None
+        return body
+
+    def _pong(self, rid: str) -> dict[str, Any]:
+        return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.model_name,
+                      endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready")
+
+    def _early_pong(self, client: bytes, body: list[bytes]) -> bool:
+        """On the watch thread, during a step: answer a ping with the right key at once (True).
+        Touches the socket (the watch holds it) and nothing the loop thread changes."""
+        body = self._unkeyed(body)
+        if body is None or len(body) != 1 or len(body[0]) > EARLY_PING_BYTES:
+            return False
+        try:
+            req = P.decode_request(body[0])
+        except P.ProtocolError:
+            return False
+        if not isinstance(req, P.Ping) or self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart([client, P.encode(self._pong(req.id))], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False  # the loop answers it after the step (or finds the client gone)
+        return True
+
+    def _drop_client(self, client: bytes, why: str) -> None:
+        state = self._clients.pop(client, None)
+        if state is None:
+            return
+        if state.requests:
+            log.info("client %s %s; cancelling %d request(s)", client.hex(), why, len(state.requests))
+        for erid in list(state.requests.values()):
+            # tell it too, in case it is alive after all (say, stopped for a while): best effort
+            self._abort(erid, notify=True, error=f"request cancelled: client {why}")
+
+    def _reap_silent_clients(self) -> None:
+        now = time.monotonic()
+        if now - self._last_reap < 0.5:
+            return
+        self._last_reap = now
+        for client, state in list(self._clients.items()):
+            if now - state.last_seen > self.heartbeat_timeout:
+                self._drop_client(client, f"silent for {now - state.last_seen:.0f} s")
 
     def _generate(self, client: bytes, state: ClientState, req: P.Generate) -> None:
         if self.stop_reason is not None:
@@ -147,6 +206,11 @@ class Admission:
     def _add(self, client: bytes, state: ClientState, req: P.Generate, params: Any, erid: str,
              prompt: str | list[int]) -> None:
         """Hand one request to the engine and start tracking it."""
+        if req.strict_length:
+            refusal = _length_refusal(self.engine, prompt, params)
+            if refusal:
+                self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, refusal))
+                return
         try:
             self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
                                     system=req.system, thinking=req.thinking)
@@ -157,3 +221,20 @@ class Admission:
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
         self._live[erid] = Live(client, req.id, pieces)
         state.requests[req.id] = erid
+
+
+def _length_refusal(engine: Any, prompt: str | list[int], params: Any) -> str | None:
+    """Why a request asking for `strict_length` cannot run ("max_tokens does not fit"), or None.
+
+    As vLLM and OpenAI answer: prompt + max_tokens over max_model_len is refused. A prompt
+    that alone leaves no room is left to the engine's own (more specific) refusal."""
+    max_len = getattr(getattr(engine, "config", None), "max_model_len", None)
+    max_tokens = getattr(params, "max_tokens", None)
+    if not isinstance(prompt, list) or not isinstance(max_len, int) or not isinstance(max_tokens, int):
+        return None
+    room = max_len - len(prompt)
+    if room < 1 or max_tokens <= room:
+        return None
+    return (f"max_tokens {max_tokens} is too large: the context (--max-model-len {max_len}) leaves room for "
+            f"{room} output tokens after the prompt's {len(prompt)}; send max_tokens <= {room}, or none "
+            f"(generation then stops at the context's end with finish_reason 'length')")

@@ -10,13 +10,16 @@ Client -> daemon                              daemon -> client
     ping                                          pong     {pid, version, model, state}
     status                                        status   {status: map}
     generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces]}  (streamed)
-              params, pieces}                     final    {finish_reason, error, usage, timings, spec}
+              params, pieces, strict_length}      final    {finish_reason, error, usage, timings, spec}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
     shutdown                                      error    {code, message}  (id null when unknown)
 
 `generate.prompt` is text or a list of token ids; `mode` is auto|chat|raw; `params` is
 a map of `dsv4.engine.sampling.SamplingParams` fields (the daemon validates it);
-`pieces: true` asks for the text of each token in deltas (for `--show-drafts`).
+`pieces: true` asks for the text of each token in deltas (for `--show-drafts`);
+`strict_length: true` (the HTTP API, for an explicit max_tokens, as vLLM does) refuses with
+`bad_request` a request whose prompt and max_tokens do not fit in max_model_len, instead
+of stopping it at the model's length (finish_reason "length").
 A daemon started with an API key (`serve --api-key`) takes only two-frame messages whose
 first frame is KEY_PREFIX + key, compared in constant time before anything else is
 read; anything else gets an `unauthorized` error and nothing more. A daemon without a
@@ -24,7 +27,8 @@ key ignores such a key frame.
 `sources` names, per new token, how it was produced: "draft" (accepted MTP draft) or
 "target". A client sends any message (usually `ping`) at least every
 HEARTBEAT_INTERVAL_S while it waits; the daemon cancels the requests of a client it
-has not heard from for HEARTBEAT_TIMEOUT_S, and of one it can no longer reach.
+has not heard from for HEARTBEAT_TIMEOUT_S, and of one it can no longer reach. The
+daemon answers pings during long engine steps too (its step watch).
 
 Exceptions never cross the socket: `decode_request` turns anything malformed into a
 `ProtocolError` carrying an error code, and the daemon answers with an `error` message.
@@ -117,6 +121,7 @@ class Generate(Request):
     thinking: bool = False
     params: dict[str, Any] = field(default_factory=dict)
     pieces: bool = False
+    strict_length: bool = False
 
 
 REQUEST_TYPES: dict[str, type[Request]] = {c.TYPE: c for c in (Ping, Status, Shutdown, Cancel, Generate)}
@@ -130,6 +135,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "thinking": (bool,),
     "params": (dict,),
     "pieces": (bool,),
+    "strict_length": (bool,),
 }
 
 

@@ -4,9 +4,12 @@
         poll the socket (and the signal pipe): 0 ms while the engine has work, else up to 1 s
         handle every message waiting (ping, status, generate, cancel, shutdown)
         if the engine has work: outputs = engine.step(); stream each to its client
+        handle the messages the step watch held during the step
         cancel the requests of clients that went silent
 
-One thread owns the engine; it blocks on the socket only when idle. Each client is a
+One thread owns the engine; it blocks on the socket only when idle, and lends it to the
+step watch (`watch.StepWatch`: pings answered at once, the rest held for the loop) during
+a slow step, so clients see a live daemon however long a step takes. Each client is a
 DEALER identified by its ZeroMQ routing id; a request is known by (client, its id) and
 given an engine request id of its own, so clients cannot collide. With ROUTER_MANDATORY
 a send to a client that has gone (killed, Ctrl-C) fails at once, so its requests are
@@ -41,6 +44,7 @@ from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
+from dsv4.daemon.watch import StepWatch
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256
@@ -65,7 +69,8 @@ class Server(Admission):
                  make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = (),
                  context: zmq.Context | None = None, api_key: str | None = None,
                  settings: dict[str, Any] | None = None, max_clients: int = MAX_CLIENTS,
-                 max_requests: int = MAX_REQUESTS, max_connections: int | None = None) -> None:
+                 max_requests: int = MAX_REQUESTS, max_connections: int | None = None,
+                 test_step_delay_s: float | None = None) -> None:
         self.engine = engine
         self.endpoint = endpoint
         self.also_bind = also_bind  # more endpoints for the same ROUTER (the HTTP front end's inproc://)
@@ -102,6 +107,9 @@ class Server(Admission):
         self._pending: dict[str, Pending] = {}  # engine request id -> request being tokenized
         self._intake = Intake(lambda: self._wake_w.send(b"\0"))
         self._guard: ConnectionGuard | None = None
+        self._watch: StepWatch | None = None
+        # tests only: every step this much slower, as on a busy machine (default: $DSV4_TEST_STEP_DELAY_S)
+        self.test_step_delay_s = test_step_delay_s if test_step_delay_s is not None else _test_step_delay()
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -126,6 +134,7 @@ class Server(Admission):
         self._sock = s
         self._private_socket_file()
         self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file)
+        self._watch = StepWatch(s, self._early_pong)
 
     def _private_socket_file(self) -> None:
         path = ipc_path(self.endpoint)
@@ -150,6 +159,9 @@ class Server(Admission):
     def close(self) -> None:
         """Cancel what is in flight (telling clients), close the socket, remove the socket file."""
         self._intake.close()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         if self._guard is not None:
             self._guard.close()
             self._guard = None
@@ -193,6 +205,8 @@ class Server(Admission):
             self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
             if self.stop_reason is None and self._has_work():
                 self._step()
+                self._handle_held()
+        self._handle_held()  # requests sent during the last step get their refusal
         log.info("stopping (%s); cancelling %d request(s) in flight", self.stop_reason, len(self._live))
         self._cancel_all(SHUTDOWN_MESSAGE)
         return self.stop_reason
@@ -229,14 +243,24 @@ class Server(Admission):
                 return
             if budget is not None:
                 budget -= sum(len(f) for f in frames)
-            try:
-                self._handle(frames[0], frames[1:])
-            except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
-                log.exception("error while handling a message")
-                self._send(frames[0], P.error(None, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
+            self._handle_safely(frames[0], frames[1:])
+
+    def _handle_held(self) -> None:
+        """The messages the step watch received during the last step, oldest first."""
+        if self._watch is not None:
+            for held in self._watch.take_held():
+                self._handle_safely(held.client, held.body, answered=held.answered)
+
+    def _handle_safely(self, client: bytes, body: list[bytes], answered: bool = False) -> None:
+        try:
+            self._handle(client, body, answered)
+        except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
+            log.exception("error while handling a message")
+            self._send(client, P.error(None, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
 
     # ------------------------------------------------------------------ messages
-    def _handle(self, client: bytes, body: list[bytes]) -> None:
+    def _handle(self, client: bytes, body: list[bytes], answered: bool = False) -> None:
+        """One message; `answered`: a ping the step watch has answered already."""
         admitted = self._admit(client, body)
         if admitted is None:
             return
@@ -248,9 +272,8 @@ class Server(Admission):
             self._send(client, P.error(e.request_id, e.code, e.message))
             return
         if isinstance(req, P.Ping):
-            self._send(client, P.pong(req.id, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION,
-                                      model=self.model_name, endpoint=self.endpoint, settings=self.settings,
-                                      state="stopping" if self.stop_reason else "ready"))
+            if not answered:
+                self._send(client, self._pong(req.id))
         elif isinstance(req, P.Status):
             self._send(client, P.status_reply(req.id, self.status()))
         elif isinstance(req, P.Shutdown):
@@ -267,7 +290,13 @@ class Server(Admission):
     # ------------------------------------------------------------------ engine
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            if self._watch is None:
+                outputs = self.engine.step()
+            else:
+                with self._watch.stepping():
+                    if self.test_step_delay_s:
+                        time.sleep(self.test_step_delay_s)
+                    outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed; failing the requests in flight")
             self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
@@ -326,25 +355,6 @@ class Server(Admission):
                 self._drop_client(client, "unreachable" if e.errno == errno.EHOSTUNREACH else "not reading")
             return False
 
-    def _drop_client(self, client: bytes, why: str) -> None:
-        state = self._clients.pop(client, None)
-        if state is None:
-            return
-        if state.requests:
-            log.info("client %s %s; cancelling %d request(s)", client.hex(), why, len(state.requests))
-        for erid in list(state.requests.values()):
-            # tell it too, in case it is alive after all (say, stopped for a while): best effort
-            self._abort(erid, notify=True, error=f"request cancelled: client {why}")
-
-    def _reap_silent_clients(self) -> None:
-        now = time.monotonic()
-        if now - self._last_reap < 0.5:
-            return
-        self._last_reap = now
-        for client, state in list(self._clients.items()):
-            if now - state.last_seen > self.heartbeat_timeout:
-                self._drop_client(client, f"silent for {now - state.last_seen:.0f} s")
-
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """Engine status plus the daemon's own facts."""
@@ -365,6 +375,12 @@ class Server(Admission):
             "max_connections": self.max_connections,
             "memory_rss_bytes": _rss_bytes(),
         }
+
+
+def _test_step_delay() -> float:
+    """$DSV4_TEST_STEP_DELAY_S: seconds added to every engine step, for the liveness tests."""
+    text = os.environ.get("DSV4_TEST_STEP_DELAY_S", "").strip()
+    return float(text) if text else 0.0
 
 
 def _rss_bytes() -> int | None:

@@ -1,0 +1,124 @@
+"""Pings answered while the engine steps, so that liveness does not depend on step latency.
+
+The daemon's loop thread owns the ROUTER socket, and an engine step does not touch it; a
+step takes milliseconds on a quiet machine and seconds on a busy one (a long prefill on a
+slow CPU, minutes). Clients judge the daemon alive from its pongs (the HTTP front end's
+`Bridge.alive`, the CLI's `Client.connect`), so a daemon that answered only between steps
+looked dead during a long one. `StepWatch` lends the socket to a second thread for the
+length of each slow step:
+
+    loop thread                          watch thread ("dsv4-watch")
+    with watch.stepping():               every CHECK_S: has a step run for GRACE_S?
+        engine.step()                      then take the socket (the lock) and, until the
+                                           step ends, answer each ping at once and hold
+    for held in watch.take_held():         every message (pings included) for the loop
+        handle it (after the step)
+
+One thread touches the socket at a time: the lock is the hand-off (a ZeroMQ socket may
+move between threads across a full memory barrier, which a mutex is). A step shorter than
+GRACE_S never wakes the watch, so fast steps pay an uncontended release and acquire. Held
+messages are handled after the step, in arrival order and before anything newer, through
+the normal admission path (API key, limits, client bookkeeping); only the pong went out
+early. The watch reads nothing the loop changes but the step's start time; what it may
+send is decided by the `answer` callback (the server's `_early_pong`), which touches only
+the socket and settings fixed at startup.
+
+A pong says that the process and its socket are alive, not that the step will end soon:
+no client fails a request in flight for a missed pong (README, "OpenAI-compatible HTTP API").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import zmq
+
+log = logging.getLogger("dsv4.daemon")
+
+CHECK_S = 0.1  # how often the watch looks at the step in progress
+GRACE_S = 0.2  # a step younger than this keeps the socket on the loop thread
+POLL_MS = 10  # the watch's poll: the most a slow step's end waits for the socket to come back
+HOLD_MESSAGES = 4096  # held beyond this (or HOLD_BYTES), the rest waits in ZeroMQ's queue
+HOLD_BYTES = 64 << 20
+
+
+@dataclass
+class Held:
+    """A message the watch received during a step; `answered`: its pong went out already."""
+
+    client: bytes
+    body: list[bytes]
+    answered: bool
+
+
+class StepWatch:
+    """Answers pings on `sock` during slow steps (module docstring). Created by the thread
+    that binds the socket; `stepping()` and `take_held()` are for the loop thread."""
+
+    def __init__(self, sock: zmq.Socket, answer: Callable[[bytes, list[bytes]], bool]) -> None:
+        self._sock = sock
+        self._answer = answer  # on the watch thread: reply to a ping now (True) or leave it (False)
+        self._lock = threading.Lock()
+        self._lock.acquire()  # the loop thread holds the socket, except inside stepping()
+        self._since: float | None = None  # when the step in progress began
+        self._held: list[Held] = []
+        self._held_bytes = 0
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dsv4-watch", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """The engine steps inside this block; the socket is the watch's to take meanwhile."""
+        self._since = time.monotonic()
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._since = None
+            self._lock.acquire()  # waits at most POLL_MS for a watch that holds the socket
+
+    def take_held(self) -> list[Held]:
+        """The messages received during the last step, oldest first (loop thread, after the step)."""
+        held, self._held, self._held_bytes = self._held, [], 0
+        return held
+
+    def close(self) -> None:
+        """Stop the watch thread (the loop thread holds the socket: no step is in progress)."""
+        self._closed.set()
+        self._thread.join(1.0)
+
+    # ------------------------------------------------------------------ the watch thread
+    def _run(self) -> None:
+        while not self._closed.wait(CHECK_S):
+            since = self._since
+            if since is None or time.monotonic() - since < GRACE_S:
+                continue
+            if not self._lock.acquire(blocking=False):
+                continue  # the step ended meanwhile: the loop thread has the socket again
+            try:
+                self._watch()
+            except Exception:  # noqa: BLE001  (the loop handles whatever the watch could not)
+                log.exception("the step watch failed")
+            finally:
+                self._lock.release()
+
+    def _watch(self) -> None:
+        """Holding the socket: receive until the step ends or the hold is full."""
+        while self._since is not None and not self._closed.is_set():
+            if len(self._held) >= HOLD_MESSAGES or self._held_bytes >= HOLD_BYTES:
+                return
+            if not self._sock.poll(POLL_MS, zmq.POLLIN):
+                continue
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            client, body = frames[0], frames[1:]
+            self._held.append(Held(client, body, self._answer(client, body)))
+            self._held_bytes += sum(len(f) for f in frames)
