@@ -35,7 +35,7 @@ from .state import ModelState
 NEG = float("-inf")
 # The MoE gathers the chosen experts' weights while tokens x top-k <= GATHER_MAX x experts,
 # else runs every expert densely. Measured on the embedded model (8 experts, top-2, 1 thread,
-# BENCHMARKS.md): gathering made the compiled 8-token step 0.42x of eager instead of 0.86x
+# docs/benchmark-log.md section 4): gathering made the compiled 8-token step 0.42x of eager instead of 0.86x
 # (dense), the 16-token one 0.48-0.53x instead of 0.81x.
 GATHER_MAX = 4
 
