@@ -4,9 +4,9 @@ One `execute(plan)` call runs a scheduler step:
 
 1. one batched dispatch of the main model over every prefill chunk and every decode
    row `[x_last, d_1..d_k]` of the step;
-2. sampling of first tokens (last prefill chunk) and verification of drafts (greedy
-   acceptance, or rejection sampling when temperature > 0), then rollback of the
-   rejected positions;
+2. sampling of first tokens (last prefill chunk) and verification of drafts (equality
+   with the target's argmax or, for seeded requests, its keyed draw; rejection sampling
+   for unseeded sampled ones), then rollback of the rejected positions;
 3. the MTP drafter over the newly completed pairs (h_t, x_{t+1}) of every
    speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
    drafts. During prefill, pairs use the next *prompt* token; the last row of a
@@ -43,7 +43,7 @@ from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .plan import broadcast, plan_message
 from .request import Request
-from .sampling import apply_penalties, logits_to_probs, make_generator, sample, verify_greedy, verify_sampled
+from .sampling import apply_penalties, keyed_sample, logits_to_probs, sample, verify_greedy, verify_sampled
 from .spec_policy import SpecPolicy
 
 if TYPE_CHECKING:
@@ -79,7 +79,6 @@ class Runner:
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
         self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
-        self.generators: dict[int, torch.Generator | None] = {}
         # Tests may replace the drafter: (request, output tokens so far including this
         # step's, the MTP's drafts) -> drafts
         self.draft_override: Callable[[Request, list[int], list[int]], list[int]] | None = None
@@ -90,7 +89,6 @@ class Runner:
         self.pending.pop(slot, None)
         self.drafts.pop(slot, None)
         self.backlog.pop(slot, None)
-        self.generators[slot] = make_generator(req.params.seed, self.device)
 
     @torch.inference_mode()
     def calibrate(self, repeats: int = 2) -> None:
@@ -192,21 +190,30 @@ class Runner:
 
     def _sample_verify(self, samples, logits: torch.Tensor) -> dict[int, StepResult]:
         """First tokens of finished prefills (drafts None); accepted drafts + one target
-        token per decode row."""
+        token per decode row. Greedy and seeded rows accept the drafts equal to the target's
+        own choice (its argmax, or its keyed draw: `keyed_sample`), so their output does not
+        depend on K; unseeded sampled rows use rejection sampling (`verify_sampled`)."""
         results: dict[int, StepResult] = {}
         probs = self._probs(logits, samples)
         top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
         for req, lo, n, drafts in samples:
-            p = probs[lo:lo + n]
-            gen = self.generators.get(req.slot)
-            if drafts is None:
-                tok = int(sample(p, [gen])[0]) if not req.params.greedy else top[lo]
-                results[req.slot] = StepResult([tok], sources=["target"])
-                continue
+            p, seed = probs[lo:lo + n], req.params.seed
+            # row j predicts the token at sequence position `first + j`
+            first = req.num_prompt_tokens if drafts is None else req.num_computed_tokens + 1
             if req.params.greedy:
-                acc, toks = verify_greedy(top[lo:lo + n], drafts)
+                target = top[lo:lo + n]
+            elif seed is not None:  # keyed draws: the same tokens whatever K, batch or chunking
+                target = keyed_sample(p, seed, range(first, first + n))
+            elif drafts is None:
+                target = sample(p).tolist()
             else:
-                acc, toks = verify_sampled(p, drafts, None, gen)
+                acc, toks = verify_sampled(p, drafts, None, None)
+                results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
+                continue
+            if drafts is None:
+                results[req.slot] = StepResult([target[0]], sources=["target"])
+                continue
+            acc, toks = verify_greedy(target, drafts)
             results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
         return results
 

@@ -4,8 +4,11 @@
   arrive as msgpack over a socket) and raises `RequestError` with a one-line reason.
 * `logits_to_probs`: temperature, top-k, top-p and min-p for a batch of rows at once.
   Rows with temperature 0 become one-hot at the argmax.
-* `sample`: one token per row, each row drawn with its own `torch.Generator`, so a seeded
-  request gives the same tokens whatever else runs in the batch.
+* `keyed_sample`: a seeded request's token at sequence position n is drawn with noise keyed
+  by (seed, n) alone (counter-based, like JAX's or Philox's keys), so its output is a function
+  of its prompt, parameters and seed: not of the batch, the chunking, K (speculation verifies
+  drafts against these keyed draws) or the tensor-parallel size. `sample`: rows without a
+  seed, from the global RNG.
 * `verify_greedy` / `verify_sampled`: speculative verification of K drafts against the
   target's K+1 rows (docs/serving.md section 3). `verify_sampled` is standard rejection
   sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
@@ -119,13 +122,45 @@ def _num(name: str, v: Any, lo: float, hi: float | None, open_low: bool = False)
         raise RequestError(f"{name} must be in {rng}, got {v}")
 
 
-def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator | None:
-    """A generator for one request (None when it has no seed: sample from the global RNG)."""
-    if seed is None:
-        return None
-    g = torch.Generator(device=device)
-    g.manual_seed(seed)
-    return g
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele et al.): a bijective 64-bit mix, so distinct inputs
+    give distinct, well-spread outputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def draw_key(seed: int, position: int) -> int:
+    """The 63-bit generator seed of the draw for sequence position `position` of a request
+    seeded `seed` (distinct positions of one seed never share a key)."""
+    return _splitmix64(_splitmix64(seed) ^ position) >> 1
+
+
+def keyed_sample(probs: torch.Tensor, seed: int, positions: Sequence[int]) -> list[int]:
+    """Row i of `probs` [N, V] sampled for sequence position positions[i] of a request seeded
+    `seed` -> N token ids.
+
+    Exponential race: with E_v ~ Exp(1) independent, argmax_v p_v / E_v is distributed as p
+    (the Gumbel-max trick in another form). The E_v of a row come from a CPU generator seeded
+    by `draw_key(seed, position)`, in float64 (an E_v of 0 has probability 2^-53), so the token depends only on the
+    row's probabilities and its key: the same on every device, batch and speculation depth.
+    """
+    if len(positions) != probs.shape[0]:
+        raise ValueError(f"{len(positions)} positions for {probs.shape[0]} rows")
+    n, v = probs.shape
+    e = torch.empty(n, v, dtype=torch.float64)
+    g = torch.Generator()
+    for i, pos in enumerate(positions):
+        g.manual_seed(draw_key(seed, int(pos)))
+        e[i].uniform_(generator=g)
+    e = -torch.log1p(-e)  # [N, V] Exp(1) from uniforms in [0, 1)
+    p = probs.double()
+    score = torch.where(p > 0, p / e.to(p.device), torch.full_like(p, -1.0))
+    return score.argmax(dim=-1).tolist()
 
 
 # ------------------------------------------------------------------ penalties
@@ -212,23 +247,10 @@ def logits_to_probs(
     return probs
 
 
-def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """One token per row of `probs` [N, V] -> LongTensor [N].
-
-    A row with a generator is drawn with it alone, so its tokens depend only on its seed
-    and its own history. Rows without one share the global RNG.
-    """
-    if len(generators) != probs.shape[0]:
-        raise ValueError(f"{len(generators)} generators for {probs.shape[0]} rows")
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    free = [i for i, g in enumerate(generators) if g is None]
-    if free:
-        idx = torch.tensor(free, device=probs.device)
-        out[idx] = torch.multinomial(probs[idx], 1).squeeze(-1)
-    for i, g in enumerate(generators):
-        if g is not None:
-            out[i] = torch.multinomial(probs[i], 1, generator=g)[0]
-    return out
+def sample(probs: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [N, V] from the global RNG (requests without a seed)
+    -> LongTensor [N]."""
+    return torch.multinomial(probs, 1).squeeze(-1)
 
 
 # ------------------------------------------------------------------ speculative verification

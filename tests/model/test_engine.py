@@ -231,15 +231,31 @@ def test_profile_dir_gets_labelled_step_traces(ckpt, tmp_path):
     assert all(f'"dsv4.{s}"' in text for s in ("dispatch", "sample_verify", "mtp"))
 
 
-def test_seeded_sampling_ignores_neighbours_under_speculation(ckpt):
-    """A tight step budget must not change how many drafts a seeded request gets."""
-    prompts = _prompts([6, 9, 4, 11], seed=6)
-    sp = SamplingParams(max_tokens=30, temperature=0.7, seed=123, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=30, temperature=0.8, top_p=0.95, top_k=50, repetition_penalty=1.1, seed=123,
+                        ignore_eos=True)  # the embedded model's default sampling, seeded
+
+
+@pytest.mark.parametrize("K", [0, 1, 2, "auto"])
+def test_seeded_output_is_a_function_of_prompt_params_and_seed(ckpt, K):
+    """Not of K, neighbours, chunking or a tight step budget: each token is the keyed draw of
+    its position (`keyed_sample`), and drafts are accepted when they equal it."""
+    prompts = _prompts([6, 9, 40, 11], seed=6)
     other = SamplingParams(max_tokens=30, temperature=0.7, ignore_eos=True)
-    kw = dict(num_speculative_tokens=2, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=7)
-    (alone,) = LLM(ckpt[0], **kw).generate([prompts[0]], sp)
-    crowded = LLM(ckpt[0], **kw).generate(prompts, [sp, other, other, other])[0]
-    assert crowded.token_ids == alone.token_ids
+    (ref,) = LLM(ckpt[0], num_speculative_tokens=0, max_num_seqs=1, max_model_len=128).generate([prompts[0]], SEEDED)
+    assert len(set(ref.token_ids)) > 5  # it really samples
+    kw = dict(num_speculative_tokens=K, max_num_seqs=4, max_model_len=128)
+    (alone,) = LLM(ckpt[0], **kw).generate([prompts[0]], SEEDED)
+    assert alone.token_ids == ref.token_ids
+    tight = LLM(ckpt[0], max_num_batched_tokens=7, prefill_limit=4, **kw)
+    crowded = tight.generate(prompts, [SEEDED, other, SamplingParams(**{**SEEDED.__dict__, "seed": 5}), other])
+    assert crowded[0].token_ids == ref.token_ids
+    if K in (1, 2):  # drafts that are the reference's tokens are all accepted
+        llm = LLM(ckpt[0], **kw)
+        llm.engine.runner.draft_override = lambda req, out, d: (ref.token_ids[len(out):] + [0] * K)[:len(d)]
+        (oracle,) = llm.generate([prompts[0]], SEEDED)
+        assert oracle.token_ids == ref.token_ids
+        spec = oracle.metrics["spec"]
+        assert spec["accepted"] == spec["drafted"] > 10
 
 
 def test_stop_string_cuts_tokens_and_usage(ckpt):

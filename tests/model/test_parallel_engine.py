@@ -1,6 +1,7 @@
 """The engine at --tensor-parallel-size 2 (rank 0 here, rank 1 spawned, gloo on CPU):
 greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
-process token for token (none and w8a8), with auto K (any K sequence) equals K = 0, and at --tensor-parallel-size 4 (on the tiny
+process token for token (none and w8a8), with auto K (any K sequence) equals K = 0 (a
+seeded sampled request too: its draws are keyed by position, not by rank or K), and at --tensor-parallel-size 4 (on the tiny
 config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
 behind (nor anything in /dev/shm); a size that does not divide the model is refused
 before loading."""
@@ -37,7 +38,9 @@ def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GE
         if schedule is not None:  # auto K: rank 0's policy follows `schedule` (cycled)
             ks = itertools.cycle(schedule)
             llm.engine.policy.choose = lambda batch: next(ks)
-        outs = llm.generate(_prompts(), SamplingParams(max_tokens=gen, ignore_eos=True))
+        greedy = SamplingParams(max_tokens=gen, ignore_eos=True)
+        seeded = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
+        outs = llm.generate(_prompts() + _prompts()[1:2], [greedy] * 3 + [seeded])
     return [c.token_ids for c in outs]
 
 

@@ -17,8 +17,9 @@ import torch
 from dsv4.engine.request import RequestError
 from dsv4.engine.sampling import (
     SamplingParams,
+    draw_key,
+    keyed_sample,
     logits_to_probs,
-    make_generator,
     sample,
     verify_greedy,
     verify_sampled,
@@ -115,30 +116,41 @@ def test_batched_rows_are_independent() -> None:
 
 
 # ------------------------------------------------------------------ sampling
-def test_seeded_reproducible_whatever_the_batch() -> None:
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_keyed_draws_depend_only_on_seed_and_position() -> None:
+    """A seeded row's token is a function of its probabilities, seed and position: the same
+    alone, among other rows, in another order of positions; other seeds or positions differ."""
     v = 50
-    logits = torch.randn(1, v, generator=torch.Generator().manual_seed(1))
-    probs = torch.softmax(logits, -1)
+    probs = torch.softmax(torch.randn(1, v, generator=make_generator(1)), -1)
+    alone = [keyed_sample(probs, 1234, [n])[0] for n in range(40)]
+    assert len(set(alone)) > 3  # it really samples
+    assert keyed_sample(probs.expand(40, v), 1234, range(40)) == alone
+    order = list(range(39, -1, -1))
+    assert keyed_sample(probs.expand(40, v), 1234, order) == alone[::-1]
+    assert keyed_sample(probs.expand(40, v), 1235, range(40)) != alone
+    keys = {draw_key(s, n) for s in range(50) for n in range(200)}
+    assert len(keys) == 50 * 200 and all(0 <= k < 2**63 for k in keys)
 
-    def run(batch_extra: int, seed_others: bool) -> list[int]:
-        g = make_generator(1234)
-        others = [make_generator(99 + i) if seed_others else None for i in range(batch_extra)]
-        toks = []
-        for _ in range(30):
-            rows = torch.cat([torch.softmax(torch.randn(batch_extra, v), -1), probs]) if batch_extra else probs
-            toks.append(int(sample(rows, others + [g])[-1]))
-        return toks
 
-    ref = run(0, False)
-    assert len(set(ref)) > 3  # it really samples
-    assert run(5, False) == ref and run(3, True) == ref
+def test_keyed_draws_follow_the_distribution_and_respect_zeros() -> None:
+    p = P0.expand(N_SAMPLES, -1)
+    f = torch.bincount(torch.tensor(keyed_sample(p, 7, range(N_SAMPLES))), minlength=P0.numel()).float()
+    assert tv(f / f.sum(), P0) < TV_BOUND
+    masked = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0, 0.0]]).expand(2000, -1)
+    assert set(keyed_sample(masked, 3, range(2000))) == {1, 3}
+    one_hot = torch.zeros(3, 6)
+    one_hot[0, 4] = one_hot[1, 0] = one_hot[2, 5] = 1.0
+    assert keyed_sample(one_hot, 9, [5, 6, 7]) == [4, 0, 5]
 
 
 def test_greedy_rows_sample_argmax() -> None:
     p = torch.zeros(2, 5)
     p[0, 3] = 1.0
     p[1, 1] = 1.0
-    assert sample(p, [make_generator(0), None]).tolist() == [3, 1]
+    assert sample(p).tolist() == [3, 1]
 
 
 # ------------------------------------------------------------------ verification
