@@ -30,7 +30,7 @@ from dsv4.daemon import protocol as P
 from dsv4.daemon.paths import check_socket_dir, check_socket_file, daemon_pid, ipc_path
 
 PING_TIMEOUT_S = 3.0
-BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers between engine steps, which can be long
+BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers mid-step too (its step watch); margin for a loaded CPU
 SILENCE_TIMEOUT_S = 60.0  # tcp only: no word from the daemon for this long means it is gone
 NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
 

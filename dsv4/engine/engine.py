@@ -123,7 +123,7 @@ class Engine:
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
                              device=self.device, policy=self.policy, scratch_slot=config.compile)
-        self.compile_note = self._capture() if config.compile else ""  # the banner's line
+        self.compile_note = self._capture(progress) if config.compile else ""  # the banner's line
         self.calibration_s = 0.0
         if self.policy is not None:
             t = time.perf_counter()
@@ -135,9 +135,10 @@ class Engine:
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
 
-    def _capture(self) -> str:
-        """--compile: capture the decode buckets (engine/compiled.py); on a backend that cannot
-        compile, one warning and the eager path. Returns the banner line."""
+    def _capture(self, progress: Callable[[int, int], None] | None = None) -> str:
+        """--compile: capture the decode buckets (engine/compiled.py), reporting each to
+        `progress` (done, total) as the weights were; on a backend that cannot compile, one
+        warning and the eager path. Returns the banner line."""
         from .compiled import CompiledSteps, CompileUnavailable, check_backend, private_cache_dir
 
         c = self.config
@@ -153,7 +154,7 @@ class Engine:
             return f"compile: off ({e})"
         K = c.num_speculative_tokens
         steps = CompiledSteps(self.model, self.runner.state, c.max_num_seqs * (1 + K), with_mtp=K > 0)
-        secs = steps.capture()
+        secs = steps.capture(progress=progress)
         ok = sorted({n for (_, n), r in steps.ready.items() if r})
         if ok:
             self.runner.compiled = steps
@@ -265,6 +266,8 @@ class Engine:
             if res.num_drafted:  # drafts cut at EOS/limits do not count
                 self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
             outs.append(self._emit(req, toks, res.sources, now))
+        # status counts tokens as they stream (not when their requests end)
+        self.metrics.on_output(sum(n for _, _, n in plan.prefills), sum(len(o.token_ids) for o in outs if o), now)
         if self.policy is not None:
             if not plan.prefills:
                 timed = self.runner.timed
@@ -294,7 +297,7 @@ class Engine:
         out = RequestOutput(req.request_id, "".join(text), list(toks), list(sources[: len(toks)]))
         if req.is_finished:
             track.metrics.on_finish(now)
-            self.metrics.add(track.metrics)
+            self.metrics.add(track.metrics, streamed=True)
             out.finished, out.finish_reason = True, req.finish_reason
             out.metrics = track.metrics.to_dict()
             # the K in use when it finished (auto: the latest choice; fixed: the configured K)

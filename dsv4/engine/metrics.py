@@ -141,7 +141,9 @@ class RequestMetrics(_Acceptance):
 
 @dataclass
 class EngineMetrics(_Acceptance):
-    """Totals over finished requests, plus distributions of their timings."""
+    """Engine-wide totals: tokens as they are produced (`on_output`: requests still running
+    count, so throughput is right during a long generation), and over finished requests the
+    request count, acceptance and the distributions of their timings."""
 
     start_time: float = field(default_factory=time.monotonic)
     num_requests: int = 0
@@ -167,11 +169,21 @@ class EngineMetrics(_Acceptance):
         self.num_prefill_tokens += num_prefill_tokens
         self.num_decode_tokens += num_decode_tokens
 
-    def add(self, m: RequestMetrics) -> None:
-        """Fold in a finished request."""
+    def on_output(self, num_prompt_tokens: int, num_output_tokens: int, now: float | None = None) -> None:
+        """A step prefilled `num_prompt_tokens` and produced `num_output_tokens` (counted now,
+        not when their requests finish)."""
+        self.prompt_tokens += num_prompt_tokens
+        self.completion_tokens += num_output_tokens
+        if num_output_tokens:
+            now = time.monotonic() if now is None else now
+            self.last_time = now if self.last_time is None else max(self.last_time, now)
+
+    def add(self, m: RequestMetrics, *, streamed: bool = False) -> None:
+        """Fold in a finished request; its tokens too, unless `streamed` (counted by `on_output`)."""
         self.num_requests += 1
-        self.prompt_tokens += m.prompt_tokens
-        self.completion_tokens += m.completion_tokens
+        if not streamed:
+            self.prompt_tokens += m.prompt_tokens
+            self.completion_tokens += m.completion_tokens
         self.drafted += m.drafted
         self.accepted += m.accepted
         self.verify_steps += m.verify_steps

@@ -5,12 +5,19 @@ Each HTTP request becomes one daemon `generate` per prompt, sent through the `Br
 (one DEALER for the whole app); the reply queue is read until the final message.
 
 * Errors: OpenAI's shape `{"error": {message, type, param, code}}`; 400 for bad bodies and
-  parameters (the daemon's `SamplingParams.validate` message), 401 for a wrong key, 404
-  for unknown models and routes, 413 for bodies over MAX_BODY_BYTES, 503 when the daemon
-  does not answer. After a stream started, an error goes out as `data: {"error": ...}`.
-* Streams start once the first reply is in (so a rejected request still gets its 400);
-  a client that disconnects cancels its requests (the generator's `finally`, or the
-  disconnect watch of non-streaming requests).
+  parameters (the daemon's `SamplingParams.validate` message, fields dsv4 does not honour,
+  a `max_tokens` that does not fit in --max-model-len after the prompt, as vLLM does),
+  401 for a wrong key, 404 for unknown models and routes, 413 for bodies over
+  MAX_BODY_BYTES, 503 when the daemon does not answer a new request.
+* Streams start with their first text (so a request that fails before it still gets its
+  HTTP status). A stream that fails after that ends with `data: {"error": ...}` and no
+  `data: [DONE]`: the `openai` client raises `APIError` on that event, and a client that
+  waits for `[DONE]` sees the stream cut, never a clean end to a partial answer.
+* A request in flight waits for the daemon however long its steps take: only the daemon
+  ends it (its final reply, an error, or the abort it sends when it stops), never a missed
+  heartbeat (`Bridge.alive` only gates new requests and /health). A client that
+  disconnects cancels its requests (the generator's `finally`, or the disconnect watch of
+  non-streaming requests).
 * Thinking mode: text before `</think>` is `reasoning_content`, the rest `content`.
 """
 
@@ -37,9 +44,8 @@ from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion
 from dsv4.http.stream import ReasoningSplitter
 
 MAX_BODY_BYTES = 8 << 20
-WATCH_S = 0.25  # how often a waiting non-streaming request checks that its client is still there
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_INTERNAL: 500}
+_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_INTERNAL: 500}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -108,8 +114,9 @@ class Api:
         rids = []
         try:
             for prompt in parsed.prompts:
+                # an explicit max_tokens must fit (400 otherwise); without one, generation stops at the model's length
                 rid, _ = self.bridge.generate(prompt, parsed.params, mode=parsed.mode, thinking=parsed.thinking,
-                                              queue=q)
+                                              queue=q, strict_length="max_tokens" in parsed.params)
                 rids.append(rid)
         except DaemonUnavailable as e:
             self._cancel(rids)
@@ -132,17 +139,20 @@ class Api:
         reason = msg.get("finish_reason")
         return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
 
-    async def _next(self, q: asyncio.Queue, gone: asyncio.Task | None) -> dict[str, Any]:
-        """The next reply; raise `_ClientGone` once the `gone` watch saw the client leave. A
-        daemon that stops answering ends the wait with an error reply."""
-        while True:
-            if gone is not None and gone.done():
-                raise _ClientGone
-            try:
-                return await asyncio.wait_for(q.get(), WATCH_S)
-            except asyncio.TimeoutError:
-                if self.bridge is not None and not self.bridge.alive:
-                    return P.error(None, P.ERR_SHUTTING_DOWN, "the dsv4 engine stopped answering")
+    @staticmethod
+    async def _next(q: asyncio.Queue, gone: asyncio.Task | None) -> dict[str, Any]:
+        """The next reply, however long it takes (the daemon ends every request it accepted,
+        and `Bridge.close` ends the rest); `_ClientGone` once the `gone` watch saw the client leave."""
+        if gone is None:
+            return await q.get()
+        if gone.done():
+            raise _ClientGone
+        getter = asyncio.ensure_future(q.get())
+        await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+        if getter.done():
+            return getter.result()
+        getter.cancel()  # asyncio.Queue.get loses no item when cancelled
+        raise _ClientGone
 
     # ------------------------------------------------------------------ endpoints
     async def models(self, request: Request) -> Response:
@@ -187,53 +197,45 @@ class Api:
 
     async def _reply(self, q: asyncio.Queue, rids: list[str], run: "_Run", parsed: Parsed,
                      gone: asyncio.Task) -> Response:
+        """The whole answer, or (streaming) the stream once its first chunk is ready: an error
+        before then is an HTTP error status."""
+        chunks: list[dict[str, Any]] = []
         try:
-            first = await self._next(q, gone)
+            while run.error is None and run.finished < len(rids) and not chunks:
+                chunks = run.take(await self._next(q, gone))
+                if not parsed.stream:
+                    chunks = []
         except _ClientGone:
             self._cancel(rids)
             return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
         except BaseException:
             self._cancel(rids)
             raise
-        if first["type"] == "error" or (first["type"] == "final" and first.get("finish_reason") in ("error", "abort")):
+        if run.error is not None:
             self._cancel(rids)
-            raise self._daemon_error(first)
+            raise run.error
         if not parsed.stream:
-            try:
-                msg = first
-                while True:
-                    run.take(msg)
-                    if run.finished == len(rids):
-                        break
-                    msg = await self._next(q, gone)
-            except _ClientGone:
-                self._cancel(rids)
-                return Response(status_code=499)
-            except BaseException:
-                self._cancel(rids)
-                raise
-            if run.error is not None:
-                raise run.error
             return JSONResponse(run.whole())
-        return StreamingResponse(self._sse(q, rids, run, first), media_type="text/event-stream",
+        return StreamingResponse(self._sse(q, rids, run, chunks), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    async def _sse(self, q: asyncio.Queue, rids: list[str], run: "_Run", first: dict[str, Any]
+    async def _sse(self, q: asyncio.Queue, rids: list[str], run: "_Run", chunks: list[dict[str, Any]]
                    ) -> AsyncIterator[bytes]:
+        """The stream: chunks, then usage (if asked) and `[DONE]`; or, after a failure, the
+        error event and no `[DONE]` (the module docstring)."""
         try:
-            msg = first
             while True:
-                for chunk in run.take(msg):
+                for chunk in chunks:
                     yield _event(chunk)
                 if run.error is not None:
                     yield _event(run.error.body())
-                    break
+                    return
                 if run.finished == len(rids):
                     if run.parsed.include_usage:
                         yield _event(run.chunk([], usage=run.usage()))
-                    break
-                msg = await self._next(q, None)
-            yield b"data: [DONE]\n\n"
+                    yield b"data: [DONE]\n\n"
+                    return
+                chunks = run.take(await self._next(q, None))
         finally:  # a disconnect cancels the generator here
             self._cancel([r for r in rids if r not in run.done])
 
@@ -292,6 +294,7 @@ class _Run:
             else:
                 m.observe_gap(now - self.last_time[i])
             self.last_time[i] = now
+            m.observe_tokens(len(msg.get("token_ids") or ()))
             reasoning, content = self.splitters[i].feed(msg.get("text") or "")
             chunks += self._delta(i, reasoning, content, None)
         else:  # final

@@ -7,9 +7,16 @@
 
 Only the event loop's thread touches the socket. The reader task drains the socket all the
 time and puts each reply on its request's unbounded queue, so a slow HTTP client only
-grows its own queue: the daemon (and every other request) never waits for it. A DEALER
-queues silently while nobody answers, so the heartbeat task pings every second and
-`alive` says whether the daemon answered recently; requests get 503 otherwise.
+grows its own queue: the daemon (and every other request) never waits for it.
+
+Liveness: a DEALER queues silently while nobody answers, so the heartbeat task pings
+(every second, or a quarter of the window) and `alive` says whether the daemon answered
+within the window. The daemon answers pings during engine steps too (its step watch,
+`dsv4.daemon.watch`), so a slow step does not make it look dead. `alive` decides only
+whether a *new* request is sent (503 otherwise: the model is loading, or the daemon stopped)
+and what /health says; a request in flight is never failed for a missed pong, because the
+daemon ends every request it accepted (final, error, or an abort when it stops) and
+`close()` ends the rest. The window is ALIVE_WINDOW_S, or $DSV4_TEST_ALIVE_WINDOW_S in tests.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import time
 from typing import Any
 
@@ -27,7 +35,13 @@ from dsv4.daemon import protocol as P
 
 log = logging.getLogger("dsv4.http")
 
-ALIVE_WINDOW_S = 10.0  # the daemon answers between engine steps; a step may take a while
+ALIVE_WINDOW_S = 10.0  # no pong for this long: new requests get 503
+
+
+def alive_window() -> float:
+    """ALIVE_WINDOW_S, or $DSV4_TEST_ALIVE_WINDOW_S (the liveness tests shorten it)."""
+    text = os.environ.get("DSV4_TEST_ALIVE_WINDOW_S", "").strip()
+    return float(text) if text else ALIVE_WINDOW_S
 
 
 class DaemonUnavailable(Exception):
@@ -37,7 +51,10 @@ class DaemonUnavailable(Exception):
 class Bridge:
     """A DEALER on `endpoint` shared by every HTTP request of this process."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, api_key: str | None = None) -> None:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, api_key: str | None = None,
+                 alive_window_s: float | None = None) -> None:
+        self.alive_window_s = alive_window_s if alive_window_s is not None else alive_window()
+        self.ping_interval_s = min(P.HEARTBEAT_INTERVAL_S, self.alive_window_s / 4)
         self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None  # the daemon's key, if any
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -67,7 +84,7 @@ class Bridge:
 
     @property
     def alive(self) -> bool:
-        return self.last_pong is not None and time.monotonic() - self.last_pong < ALIVE_WINDOW_S
+        return self.last_pong is not None and time.monotonic() - self.last_pong < self.alive_window_s
 
     def new_id(self) -> str:
         return f"h{next(self._ids)}"
@@ -83,10 +100,11 @@ class Bridge:
             self._sock.send(frame, zmq.NOBLOCK)
 
     def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
-                 system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None
-                 ) -> tuple[str, asyncio.Queue]:
+                 system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None,
+                 strict_length: bool = False) -> tuple[str, asyncio.Queue]:
         """Submit a generate request; its replies (delta..., final, or error) arrive on `queue`
-        (a new one unless given: several requests may share one)."""
+        (a new one unless given: several requests may share one). `strict_length`: the daemon
+        refuses a max_tokens that does not fit in max_model_len after the prompt."""
         if not self.alive:
             raise DaemonUnavailable("the dsv4 engine is not answering (loading, busy or stopped)")
         rid = self.new_id()
@@ -94,7 +112,7 @@ class Bridge:
         self._queues[rid] = q
         try:
             self._send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
-                                  params=params).to_wire())
+                                  params=params, strict_length=strict_length).to_wire())
         except Exception:
             self._queues.pop(rid, None)
             raise
@@ -135,7 +153,7 @@ class Bridge:
                 self._send(P.Ping(self.new_id()).to_wire())
             except zmq.ZMQError as e:
                 log.warning("ping failed: %s", e)
-            await asyncio.sleep(P.HEARTBEAT_INTERVAL_S)
+            await asyncio.sleep(self.ping_interval_s)
 
     async def _reader(self) -> None:
         while True:

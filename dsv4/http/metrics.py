@@ -1,7 +1,8 @@
 """Prometheus metrics of the HTTP front end, under vLLM's names (dashboards, `vllm bench serve`).
 
 Counters and histograms are observed here, per HTTP request, from the daemon's replies:
-tokens (the `usage` of each final message: tokens, not engine steps), TTFT, the gap
+generated tokens as they stream (the token ids of each delta: tokens, not engine steps),
+prompt tokens (the `usage` of each final message), TTFT, the gap
 between streamed deltas, end-to-end latency, finish reasons and the MTP counters
 (`vllm:spec_decode_*`: acceptance rate = accepted / draft tokens; mean acceptance length
 = 1 + accepted / drafts). The running / waiting gauges are read from the daemon's status
@@ -56,12 +57,15 @@ class Metrics:
     def observe_gap(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)
 
+    def observe_tokens(self, n: int) -> None:
+        """`n` tokens streamed (a delta)."""
+        self.generation_tokens.labels(self.model_name).inc(n)
+
     def observe_final(self, msg: dict[str, Any], e2e_s: float) -> None:
-        """A final message from the daemon: tokens, finish reason, latency, MTP counters."""
+        """A final message from the daemon: prompt tokens, finish reason, latency, MTP counters."""
         m = self.model_name
         usage, spec = msg.get("usage") or {}, msg.get("spec") or {}
         self.prompt_tokens.labels(m).inc(int(usage.get("prompt_tokens") or 0))
-        self.generation_tokens.labels(m).inc(int(usage.get("completion_tokens") or 0))
         reason = msg.get("finish_reason")
         if reason in ("stop", "length"):
             self.success.labels(m, reason).inc()

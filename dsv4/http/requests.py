@@ -3,18 +3,25 @@
 `parse_completion(body)` and `parse_chat(body, tokenizer)` check the shapes the OpenAI API
 defines and raise `ApiError` (status, one-line message, offending field) for anything
 this server cannot honour; value ranges are checked once, by `SamplingParams.validate`
-in the daemon, whose error becomes a 400 too. Unknown fields are ignored, as OpenAI does.
+in the daemon, whose error becomes a 400 too.
+
+Nothing is silently ignored: an OpenAI field (or a well-known vLLM extension) that would
+change the answer and that dsv4 does not implement gets a 400 naming it (`REFUSED`),
+unless its value changes nothing (`response_format: {"type": "text"}`, `n: 1`, `logit_bias:
+{}`, ...). Fields that never change the answer (`user`, `metadata`, `safety_identifier`,
+`prompt_cache_key`, `parallel_tool_calls` without tools) and unknown vendor fields are
+ignored, as OpenAI ignores what it does not know.
 
 Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
-rendered to token ids by `Tokenizer.encode_chat` (thinking mode from `thinking`,
-`chat_template_kwargs.thinking` or `reasoning_effort`); a model without them (the
-embedded Shakespeare model) continues the messages' text, one per line.
+rendered to token ids by `Tokenizer.encode_chat` (thinking mode from `thinking` or
+`chat_template_kwargs.thinking`); a model without them (the embedded Shakespeare model)
+continues the messages' text, one per line.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 
@@ -22,6 +29,46 @@ from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
                 "repetition_penalty", "presence_penalty", "frequency_penalty",
                 "speculative")  # dsv4's own: false = no MTP drafts for this request
+
+
+_NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731
+
+# field -> (is its value a no-op?, the reason it is refused otherwise)
+REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "logit_bias": (lambda v: v == {}, "logit_bias is not supported by this server"),
+    "response_format": (lambda v: v == {"type": "text"},
+                        'response_format is not supported by this server (only {"type": "text"}, plain text)'),
+    "logprobs": (lambda v: v == 0, "logprobs are not supported by this server"),  # false or 0
+    "top_logprobs": (lambda v: v == 0, "logprobs are not supported by this server"),
+    "n": (lambda v: v == 1 and not isinstance(v, bool), "only n = 1 is supported"),
+    "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of is not supported by this server"),
+    "echo": (lambda v: v is False, "echo is not supported by this server"),
+    "suffix": (lambda v: v == "", "suffix is not supported by this server"),
+    "tools": (lambda v: v == [], "tools are not supported by this server"),
+    "tool_choice": (lambda v: v == "none", "tool_choice is not supported by this server (tools are not)"),
+    "functions": (lambda v: v == [], "functions are not supported by this server"),
+    "function_call": (lambda v: v == "none", "function_call is not supported by this server"),
+    "audio": (_NEVER, "audio output is not supported by this server"),
+    "modalities": (lambda v: v == ["text"], 'modalities: only ["text"] is supported'),
+    "prediction": (_NEVER, "prediction (predicted outputs) is not supported by this server"),
+    "web_search_options": (_NEVER, "web search is not supported by this server"),
+    "verbosity": (_NEVER, "verbosity is not supported by this server"),
+    "reasoning_effort": (_NEVER, "reasoning_effort is not supported by this server; turn thinking mode on with "
+                                 '"thinking": {"type": "enabled"} or "chat_template_kwargs": {"thinking": true}'),
+    "store": (lambda v: v is False, "store is not supported by this server (nothing is stored)"),
+    "service_tier": (lambda v: v in ("auto", "default"), "service_tier: only auto or default"),
+    # vLLM's extensions that change the answer
+    "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "min_tokens is not supported by this server"),
+    "use_beam_search": (lambda v: v is False, "beam search is not supported by this server"),
+    "include_stop_str_in_output": (lambda v: v is False, "include_stop_str_in_output is not supported by this "
+                                                         "server"),
+    "prompt_logprobs": (lambda v: v == 0, "prompt_logprobs are not supported by this server"),
+    "allowed_token_ids": (_NEVER, "allowed_token_ids is not supported by this server"),
+    "bad_words": (lambda v: v == [], "bad_words is not supported by this server"),
+    "logits_processors": (lambda v: v == [], "logits_processors are not supported by this server"),
+    **{name: (_NEVER, f"{name} (structured output) is not supported by this server")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
+}
 
 
 class ApiError(Exception):
@@ -62,6 +109,19 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """400 naming the first field of `REFUSED` whose value is neither null nor a no-op."""
+    for name, (noop, reason) in REFUSED.items():
+        value = body.get(name)
+        if value is not None and not noop(value):
+            raise _bad(f"{reason}; got {name} = {_short(value)}", name)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
     """Sampling parameters, stream, include_usage: the fields completions and chat share."""
     params: dict[str, Any] = {}
@@ -81,16 +141,7 @@ def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
             raise _bad("stop must be a string or a list of strings", "stop")
         if stop:
             params["stop"] = stop
-    n = body.get("n")
-    if n is not None and (not _is_int(n) or n != 1):
-        raise _bad(f"only n = 1 is supported, got {n!r:.40}", "n")
-    best_of = body.get("best_of")
-    if best_of is not None and best_of != 1:
-        raise _bad("best_of is not supported", "best_of")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise _bad("logprobs are not supported by this server", "logprobs")
-    if body.get("echo"):
-        raise _bad("echo is not supported by this server", "echo")
+    refuse_unsupported(body)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -125,8 +176,6 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
                    "token ids (not empty)", "prompt")
     if any(isinstance(p, str) and not p for p in prompts) or any(isinstance(p, list) and not p for p in prompts):
         raise _bad("the prompt is empty", "prompt")
-    if body.get("suffix"):
-        raise _bad("suffix is not supported", "suffix")
     return Parsed(prompts, params, stream, include_usage, mode="raw")
 
 
@@ -183,8 +232,6 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     """POST /v1/chat/completions: the conversation rendered to one prompt."""
     params, stream, include_usage = _common(body)
     msgs = chat_messages(body)
-    if body.get("tools"):
-        raise _bad("tools are not supported by this server", "tools")
     thinking = thinking_of(body)
     try:
         prompt = chat_prompt(tokenizer, msgs, thinking=thinking)

@@ -125,6 +125,41 @@ def test_bad_parameters_are_400(client, extra):
     assert e.value.status_code == 400 and e.value.body["message"]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("field, value", [("response_format", {"type": "json_object"}), ("logit_bias", {"5": 10}),
+                                          ("reasoning_effort", "high"), ("min_tokens", 3), ("tools", [{}]),
+                                          ("guided_json", {"type": "object"}), ("top_logprobs", 2)])
+def test_fields_dsv4_does_not_honour_are_400_naming_them(client, chat, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model=_model(client), messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=2, extra_body={field: value})
+        else:
+            client.completions.create(model=_model(client), prompt="x", max_tokens=2, extra_body={field: value})
+    assert e.value.body["param"] == field and field in e.value.body["message"]
+
+
+def test_no_op_values_and_fields_that_do_not_change_the_answer_are_accepted(client):
+    r = client.completions.create(model=_model(client), prompt="x", max_tokens=2, n=1, user="u1", logit_bias={},
+                                  extra_body={"response_format": {"type": "text"}, "some_vendor_field": 1})
+    assert r.usage.completion_tokens == 2
+
+
+def test_max_tokens_beyond_the_context_is_400_and_without_it_the_context_ends_the_answer(server, client):
+    max_len = json.loads(_get(server[1], "/v1/models", {"Authorization": f"Bearer {KEY}"})[1])["data"][0][
+        "max_model_len"]
+    prompt = [5] * (max_len - 4)  # room for 4 output tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=_model(client), prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
+    assert "max_tokens 5 is too large" in e.value.body["message"] and "room for 4" in e.value.body["message"]
+    for max_tokens in (4, None):  # fits exactly; unset: the model's default, cut at the context's end
+        extra = {"max_tokens": max_tokens} if max_tokens else {}
+        r = client.completions.create(model=_model(client), prompt=prompt, temperature=0,
+                                      extra_body={"ignore_eos": True, **extra})
+        assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+        assert r.usage.total_tokens == max_len
+
+
 def test_wrong_key_is_401_and_unknown_model_404(server, client):
     bad = openai.OpenAI(base_url=client.base_url, api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
