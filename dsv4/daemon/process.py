@@ -108,36 +108,54 @@ def raise_fd_limit() -> tuple[int, int]:
 
 class ProgressBar:
     """`bar(done, total)`: a transient rich progress bar on a terminal, nothing otherwise
-    (weight loading, `dsv4 bench`)."""
+    (weight loading, `dsv4 bench`). With several labels, one bar per stage: a stage's bar
+    goes once done == total, and the next call starts the next label's (loading the
+    weights, then --compile's capture), so no finished bar lingers while later work runs."""
 
-    def __init__(self, label: str) -> None:
-        self._bar = None
-        self._task = None
+    def __init__(self, label: str, *later: str) -> None:
+        self._labels = [label, *later]
+        self._bar: Any = None
+        self._task: Any = None
+        self._started = False
         if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-            self._bar = Progress(label, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            self._bar = Progress("{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                                  console=Console(stderr=True), transient=True)
 
     def __call__(self, done: int, total: int) -> None:
         if self._bar is None:
             return
         if self._task is None:
-            self._bar.start()
-            self._task = self._bar.add_task("load", total=total)
+            if total and done >= total:  # a repeated final report of a stage that is over
+                return
+            if not self._started:
+                self._bar.start()
+                self._started = True
+            label = self._labels.pop(0) if len(self._labels) > 1 else self._labels[0]
+            self._task = self._bar.add_task(label, total=total)
         self._bar.update(self._task, completed=done, total=total)
+        if total and done >= total:  # this stage is over: its bar goes
+            self._bar.remove_task(self._task)
+            self._task = None
+
+    @property
+    def labels(self) -> list[str]:
+        """The labels of the bars shown now."""
+        return [t.description for t in self._bar.tasks] if self._bar is not None else []
 
     def close(self) -> None:
-        if self._bar is not None and self._task is not None:
+        if self._bar is not None and self._started:
             self._bar.stop()
+            self._started = False
 
 
 def load_engine(config: Any) -> Any:
     """Build the engine (loads the weights) with a progress bar on a terminal."""
     from dsv4.engine.engine import Engine
 
-    progress = ProgressBar("loading weights")
+    progress = ProgressBar("loading weights", "capturing decode buckets (--compile)")
     try:
         return Engine(config, progress=progress)
     finally:

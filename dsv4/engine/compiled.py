@@ -22,6 +22,10 @@ must not live in a directory another user can write (its default is
 (and `TRITON_CACHE_DIR`) at `$XDG_CACHE_HOME/dsv4/inductor` (else
 `~/.cache/dsv4/inductor`), created 0700 and refused unless it is ours and private.
 A second startup finds its compiled buckets there and captures much faster.
+
+`capture(progress=...)` reports (buckets done, buckets) as it goes (the CLI's progress
+bar: a cold capture takes minutes on a small CPU) and keeps torch's own deprecation
+chatter out of the user's terminal (`quiet_capture`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import contextlib
 import logging
 import os
 import time
-from typing import Iterator
+import warnings
+from typing import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -131,6 +136,16 @@ def check_backend(device: torch.device) -> None:
         raise CompileUnavailable(f"no compile backend for --device {device.type}")
 
 
+@contextlib.contextmanager
+def quiet_capture() -> Iterator[None]:
+    """Warnings torch raises from inside a compile and that the user can do nothing about
+    (inductor's freezing touches the deprecated TypedStorage) stay out of stderr; any
+    other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"TypedStorage is deprecated", category=UserWarning)
+        yield
+
+
 class CompiledSteps:
     """Compiled main/MTP decode dispatches by bucket over `state` (its last slot is scratch)."""
 
@@ -163,29 +178,33 @@ class CompiledSteps:
                      if model.has_mtp and with_mtp else None)
 
     @torch.inference_mode()
-    def capture(self, only: set[tuple[str, int]] | None = None) -> float:
+    def capture(self, only: set[tuple[str, int]] | None = None,
+                progress: Callable[[int, int], None] | None = None) -> float:
         """Compile every bucket once (dispatches of scratch-slot tokens only), or those in
-        `only` ((main | mtp, tokens) pairs); returns seconds."""
+        `only` ((main | mtp, tokens) pairs); `progress(done, total)` after each bucket (and
+        (0, total) first). Returns seconds."""
         t0 = time.perf_counter()
-        for kind, fn in (("main", self._main), ("mtp", self._mtp)):
-            if fn is None:
-                continue
-            for n in self.buckets:
-                if only is not None and (kind, n) not in only:
-                    continue
-                ids, pos, slots = self._padded(None, n)
-                try:
-                    with self._compiler_settings():
-                        if kind == "main":
-                            fn(ids, pos, slots)
-                        else:
-                            fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
-                    self.ready[(kind, n)] = True
-                except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
-                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                    self.failed.append(f"capture of the {kind} bucket of {n} tokens failed "
-                                       f"({type(e).__name__}: {msg[:200]}); it runs eager")
-                    log.warning(self.failed[-1])
+        todo = [(kind, fn, n) for kind, fn in (("main", self._main), ("mtp", self._mtp)) if fn is not None
+                for n in self.buckets if only is None or (kind, n) in only]
+        log.info("--compile: capturing %d decode buckets (minutes on a small CPU when the cache is cold)", len(todo))
+        if progress is not None:
+            progress(0, len(todo))
+        for i, (kind, fn, n) in enumerate(todo, 1):
+            ids, pos, slots = self._padded(None, n)
+            try:
+                with self._compiler_settings(), quiet_capture():
+                    if kind == "main":
+                        fn(ids, pos, slots)
+                    else:
+                        fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
+                self.ready[(kind, n)] = True
+            except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failed.append(f"capture of the {kind} bucket of {n} tokens failed "
+                                   f"({type(e).__name__}: {msg[:200]}); it runs eager")
+                log.warning(self.failed[-1])
+            if progress is not None:
+                progress(i, len(todo))
         return time.perf_counter() - t0
 
     @contextlib.contextmanager
