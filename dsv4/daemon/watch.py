@@ -44,7 +44,7 @@ CHECK_S = 0.1  # how often the watch looks at the step in progress
 GRACE_S = 0.2  # a step younger than this keeps the socket on the loop thread
 POLL_MS = 10  # the watch's poll: the most a slow step's end waits for the socket to come back
 HOLD_MESSAGES = 4096  # held beyond this (or HOLD_BYTES), the rest waits in ZeroMQ's queue
-HOLD_BYTES = 64 << 20
+HOLD_BYTES = 16 << 20  # (two big prompts); a flood beyond waits, and so do pings behind it
 
 
 @dataclass
