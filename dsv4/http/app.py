@@ -148,7 +148,11 @@ class Api:
         if gone.done():
             raise _ClientGone
         getter = asyncio.ensure_future(q.get())
-        await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait((getter, gone), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request's task was cancelled (shutdown): no getter left behind
+            getter.cancel()
+            raise
         if getter.done():
             return getter.result()
         getter.cancel()  # asyncio.Queue.get loses no item when cancelled
