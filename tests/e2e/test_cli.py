@@ -190,13 +190,16 @@ def test_ctrl_c_cancels_and_exits_130(daemon: Daemon) -> None:
     assert wait_until(lambda: _idle(daemon), timeout=5), status(daemon.endpoint)
 
 
-@pytest.mark.parametrize("flag, what", [(["--system", "Be brief."], "system prompt"), (["--think"], "thinking mode")])
+@pytest.mark.parametrize("flag, what, local", [(["--system", "Be brief."], "system prompt", True),
+                                               (["--think"], "thinking mode", False)])
 def test_chat_flags_without_a_chat_template_are_refused(daemon: Daemon, tiny_model: Path, flag: list[str],
-                                                        what: str) -> None:
+                                                        what: str, local: bool) -> None:
     """The tiny models have no chat template: --system and --think are refused (as the HTTP
-    API refuses thinking there), not silently dropped."""
-    for r in (dsv4("run", *flag, PROMPT, endpoint=daemon.endpoint),
-              dsv4("run", "--local", "--model", str(tiny_model), *flag, PROMPT)):
+    API refuses thinking there), not silently dropped; by the daemon and by --local alike."""
+    runs = [dsv4("run", *flag, PROMPT, endpoint=daemon.endpoint)]
+    if local:
+        runs.append(dsv4("run", "--local", "--model", str(tiny_model), *flag, PROMPT))
+    for r in runs:
         assert r.returncode == 1 and r.stdout == "", r.stderr  # a request this model cannot serve
         assert r.stderr.strip().endswith(f"this model has no chat template, so no {what}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1
