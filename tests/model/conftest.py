@@ -62,6 +62,29 @@ def bound(model: DeepseekV4, ids: list[int]) -> float:
         return (model(x)[0] - twin(x)[0]).abs().max().item()
 
 
+def assert_chains_agree(out: list[list[int]], ref: list[list[int]], prompts: list[list[int]],
+                        model: DeepseekV4 | None = None, float_model: DeepseekV4 | None = None) -> None:
+    """Greedy chains `out` equal `ref` token for token; with a w8a8 `model` (and `float_model`,
+    its weights in float32), equal up to the first token whose reference margin (top-1 minus
+    top-2 logit of `model`) is within twice the quantisation error on that sequence: batch shape
+    moves w8a8 logits by less than that (`bound`), so only such near-ties may go either way."""
+    if model is None:
+        assert out == ref
+        return
+    for p, o, r in zip(prompts, out, ref, strict=True):
+        assert len(o) == len(r)
+        i = next((j for j, (a, b) in enumerate(zip(o, r)) if a != b), None)
+        if i is None:
+            continue
+        with torch.inference_mode():
+            x = torch.tensor([p + r[:i]])
+            logits = model(x)[0]
+            err = (logits - float_model(x)[0]).abs().max().item()
+        top2 = logits[-1].topk(2).values
+        margin = (top2[0] - top2[1]).item()
+        assert margin <= 2 * err, (len(p), i, margin, err)
+
+
 def prefill(model: DeepseekV4, state, slot: int, ids: list[int], plan: list[int]):
     """Prefill `ids` into `slot` chunk by chunk -> (hidden [S, hc, D], logits [S, V])."""
     from dsv4.model.state import Batch

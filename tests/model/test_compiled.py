@@ -36,7 +36,7 @@ from tests.checkpoints import write_tiny_checkpoint
 from tests.e2e.util import dsv4, env_for
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = dict(num_hidden_layers=2, compress_ratios=[0, 4, 0], hc_sinkhorn_iters=2, index_topk=3)
+SMALL = dict(num_hidden_layers=1, compress_ratios=[4, 0], hc_sinkhorn_iters=2, index_topk=3)
 
 
 @pytest.fixture(scope="module")
