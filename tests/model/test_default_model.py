@@ -33,6 +33,7 @@ def test_asset_loads_and_validates():
     assert size < 32 * 2**20
 
 
+@pytest.mark.exact
 def test_engine_greedy_equals_full_forward_chain(llm):
     model = load_model(dsv4.DEFAULT_MODEL)
     prompt = Tokenizer.from_dir(dsv4.DEFAULT_MODEL).encode_prompt("ROMEO:\n")
@@ -43,6 +44,7 @@ def test_engine_greedy_equals_full_forward_chain(llm):
     assert c.token_ids == ids[len(prompt):]
 
 
+@pytest.mark.exact
 def test_mtp_on_and_off_same_greedy_text(llm):
     prompts = ["ROMEO:", "First Citizen:\nBefore we proceed any further, hear me speak.", "KING."]
     on = llm.generate(prompts, SamplingParams(max_tokens=40))

@@ -12,6 +12,8 @@ from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.state import Batch
 from tests.model.tiny import tiny_config
 
+pytestmark = pytest.mark.exact  # also run under other CPU kernels (test.sh)
+
 
 def _pair() -> tuple[DeepseekV4, DeepseekV4]:
     plain = init_random(DeepseekV4(tiny_config()), seed=0).eval()

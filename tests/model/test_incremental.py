@@ -9,6 +9,8 @@ import torch
 from dsv4.model.state import Batch
 from tests.model.conftest import bound, prefill
 
+pytestmark = pytest.mark.exact  # also run under other CPU kernels (test.sh)
+
 V = 128
 
 

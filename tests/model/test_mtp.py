@@ -11,6 +11,8 @@ from dsv4.model.state import Batch
 from dsv4.model.w8a8 import QuantLinear
 from tests.model.tiny import tiny_config
 
+pytestmark = pytest.mark.exact  # also run under other CPU kernels (test.sh)
+
 hf_mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 
 

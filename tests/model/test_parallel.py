@@ -132,6 +132,7 @@ def two_ranks(tmp_path_factory) -> dict[str, tuple[Path, str, list[dict]]]:
     return {k: (c, q, [o[f"{c}:{q}"] for o in outs]) for k, (c, q) in variants.items()}
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_two_ranks_equal_one(two_ranks, variant: str):
     """float32: to 1e-5 (the all_reduces reorder sums). w8a8: within the model's quantisation

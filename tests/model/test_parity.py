@@ -9,6 +9,8 @@ from dsv4.model.hf_compat import hf_config_dict, hf_to_official, official_to_hf
 from dsv4.model.model import DeepseekV4, init_random
 from tests.model.tiny import tiny_config
 
+pytestmark = pytest.mark.exact  # also run under other CPU kernels (test.sh)
+
 transformers = pytest.importorskip("transformers")
 
 

@@ -27,6 +27,7 @@ def _g(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+@pytest.mark.exact
 def test_w8a8_linear_is_the_exact_int_product_rescaled():
     x = torch.randn(5, 48, generator=_g(0))
     wq, ws = from_float(torch.randn(24, 48, generator=_g(1)))
@@ -40,6 +41,7 @@ def test_w8a8_linear_is_the_exact_int_product_rescaled():
     assert kernels.w8a8_linear(x.view(5, 1, 48), wq, ws).shape == (5, 1, 24)
 
 
+@pytest.mark.exact
 @pytest.mark.parametrize("k,n", [(64, 96), (256, 24), (1000, 130)])
 def test_w8a8_rows_are_bitwise_independent_of_the_batch(k, n):
     """The part of w8a8 that is batch-invariant on every CPU (the suite runs it under each
