@@ -271,10 +271,19 @@ MAX_DEFAULT_THREADS = 16
 
 
 def default_threads() -> int:
-    """$OMP_NUM_THREADS when set, else the CPUs this process may run on (its affinity mask,
-    so a container's or taskset's limit counts), at most MAX_DEFAULT_THREADS: one decode
-    step of a small batch gains little from more, and a thread per core of a shared
-    machine oversubscribes it."""
+    """$OMP_NUM_THREADS when set, else one fewer than the CPUs this process may run on (its
+    affinity mask, so a container's or taskset's limit counts), at least 1 and at most
+    MAX_DEFAULT_THREADS.
+
+    Why one fewer: an OpenMP team is only as fast as its slowest thread, at every one of the
+    hundreds of parallel regions of a step, and its idle threads spin (libgomp: 300,000 turns;
+    Intel's runtime: 200 ms) rather than sleep. A team with a thread on every core therefore
+    shares one with anything else that runs (another tenant, the daemon's own I/O and HTTP
+    threads), waits a scheduler time slice at each region, and collapses: on 2 cores beside one
+    busy loop, 2 threads decoded 2-5 tok/s where 1 thread decoded 60-140 (BENCHMARKS.md,
+    benchmarks/busy_threads.py). A team one core short of the machine leaves that core to the
+    rest. On 2 cores the default is 1 thread: 0.85x the decode rate of 2 on an idle machine.
+    One decode step of a small batch gains little from more than MAX_DEFAULT_THREADS."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
@@ -282,7 +291,7 @@ def default_threads() -> int:
         n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         n = os.cpu_count() or 1
-    return max(1, min(n, MAX_DEFAULT_THREADS))
+    return max(1, min(n - 1, MAX_DEFAULT_THREADS))
 
 
 def generation_defaults(model_dir: Path) -> dict:

@@ -308,6 +308,22 @@ def test_threads_flag_and_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         EngineConfig.create(model=str(d), threads=0)
 
 
+@pytest.mark.parametrize("cpus, expected", [(1, 1), (2, 1), (3, 2), (8, 7), (17, 16), (64, 16)])
+def test_default_threads_leave_a_core_free(cpus: int, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One fewer than the usable CPUs (a team on every core collapses beside any other work:
+    benchmarks/busy_threads.py), at least 1, at most MAX_DEFAULT_THREADS; $OMP_NUM_THREADS,
+    the user's choice, wins whatever the machine, and --threads wins over both."""
+    from dsv4.engine.config import default_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert default_threads() == expected
+    monkeypatch.setenv("OMP_NUM_THREADS", str(cpus))
+    assert default_threads() == cpus
+    monkeypatch.setenv("OMP_NUM_THREADS", "")  # set but empty: as if unset
+    assert default_threads() == expected
+
+
 def test_generation_config_defaults_read_at_validation(tmp_path: Path) -> None:
     d = make_ckpt(tmp_path)
     assert EngineConfig.create(model=str(d)).sampling_defaults == {}
