@@ -47,6 +47,7 @@ class Request:
     prompt_ids: list[int]
     params: "SamplingParams"
     arrival_time: float = field(default_factory=time.monotonic)
+    client: Any = None  # who asked (any hashable): admission shares the slots fairly between clients
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     output_ids: list[int] = field(default_factory=list)

@@ -20,8 +20,14 @@ at `req.num_computed_tokens`. Rows are classified by request state, never by len
 1-token tail chunk is still a prefill.
 
 Policy.
-* Admission: first come, first served, while a slot (0..max_num_seqs-1) is free. A
-  slot is freed the moment its request finishes or is aborted.
+* Admission: while a slot (0..max_num_seqs-1) is free, the waiting request admitted
+  next is the oldest one of the client (`Request.client`) holding the fewest slots,
+  ties going to the oldest request: fair shares between clients, first come first
+  served within one (and overall when all requests have one client). One client's
+  flood of requests therefore waits behind another client's single request instead of
+  the other way round, and nothing starves: a waiting request's client holds fewer and
+  fewer slots as its running requests finish, until it holds none and only older
+  requests go first. A slot is freed the moment its request finishes or is aborted.
 * Chunks: `n = min(tokens left, chunk_size, budget left)`, one chunk per request per
   step, prefills in admission order. In single-dispatch mode a prompt goes whole or
   waits; a prompt that does not fit the budget left also blocks those behind it, so a
@@ -71,7 +77,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """FCFS admission into fixed slots; per-step token budget shared by decodes and prefill chunks."""
+    """Fair admission into fixed slots (FCFS per client); per-step token budget shared by
+    decodes and prefill chunks."""
 
     def __init__(
         self,
@@ -201,11 +208,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Admit waiting requests into free slots and spend this step's budget."""
         self._step += 1
-        while self.waiting and self._free_slots:
-            req = self.waiting.popleft()
-            req.slot = heapq.heappop(self._free_slots)
-            req.status = RequestStatus.PREFILL
-            self.running.append(req)
+        self._admit()
         for req in self.running:
             req.num_scheduled_tokens = 0
         prefilling = [r for r in self.running if r.status is RequestStatus.PREFILL]
@@ -221,6 +224,35 @@ class Scheduler:
             budget = self._plan_prefills(prefilling, budget, out)
         self._prefill_first = bool(prefilling) and not out.prefills
         return out
+
+    def _admit(self) -> None:
+        """Fill free slots from `waiting`: the oldest request of the client holding the fewest
+        slots first, ties to the oldest request (module docstring, Admission)."""
+        if not self.waiting or not self._free_slots:
+            return
+        held: dict[Any, int] = {}
+        for r in self.running:
+            held[r.client] = held.get(r.client, 0) + 1
+        queues: dict[Any, deque[tuple[int, Request]]] = {}
+        for pos, r in enumerate(self.waiting):
+            queues.setdefault(r.client, deque()).append((pos, r))
+        heap = [(held.get(c, 0), q[0][0], c) for c, q in queues.items()]
+        heapq.heapify(heap)  # (slots held, position of its oldest waiting request, client); positions are unique
+        admitted: set[int] = set()
+        while heap and self._free_slots:
+            n, _, client = heapq.heappop(heap)
+            q = queues[client]
+            pos, req = q.popleft()
+            admitted.add(pos)
+            req.slot = heapq.heappop(self._free_slots)
+            req.status = RequestStatus.PREFILL
+            self.running.append(req)
+            if q:
+                heapq.heappush(heap, (n + 1, q[0][0], client))
+        if len(admitted) == len(self.waiting):
+            self.waiting.clear()
+        else:
+            self.waiting = deque(r for pos, r in enumerate(self.waiting) if pos not in admitted)
 
     def _plan_prefills(self, reqs: list[Request], budget: int, out: SchedulerOutput) -> int:
         for req in reqs:

@@ -298,3 +298,60 @@ def test_from_config_duck_typed() -> None:
 def test_scheduler_imports_no_torch() -> None:
     code = "import sys, dsv4.engine.scheduler, dsv4.engine.request; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_fair_admission_between_clients() -> None:
+    """A client's flood waits behind another client's single request; FCFS within a client."""
+    s = make(max_num_seqs=2)
+    flood = [Request(f"f{i}", [1] * 4, SamplingParams(max_tokens=50), client="flood") for i in range(6)]
+    for r in flood:
+        s.add(r)
+    complete(s, s.schedule())
+    assert [r.slot for r in flood[:2]] == [0, 1] and all(r.slot is None for r in flood[2:])
+    probe = Request("p", [1] * 4, SamplingParams(max_tokens=1), client="probe")
+    s.add(probe)
+    complete(s, s.schedule())  # no slot free: the probe waits with the flood
+    assert probe.status is RequestStatus.WAITING
+    s.abort("f0")
+    out = s.schedule()  # one slot: the probe's client holds none, the flood's one
+    assert [r.request_id for r, _, _ in out.prefills] == ["p"] and flood[2].status is RequestStatus.WAITING
+    complete(s, out)
+    assert probe.is_finished
+    s.abort("f1")
+    out = s.schedule()  # two slots, one client: its oldest requests, in order
+    assert [r.request_id for r, _, _ in out.prefills] == ["f2", "f3"]
+    assert list(s.waiting) == flood[4:]
+
+
+def test_fair_admission_ties_go_to_the_oldest() -> None:
+    s = make(max_num_seqs=3)
+    order = [("a", "x"), ("b", "x"), ("c", "y"), ("d", "y"), ("e", "z")]
+    rs = [Request(rid, [1] * 2, SamplingParams(max_tokens=5), client=c) for rid, c in order]
+    for r in rs:
+        s.add(r)
+    out = s.schedule()  # each client's oldest, oldest first: a (x), c (y), e (z)
+    assert [r.request_id for r, _, _ in out.prefills] == ["a", "c", "e"]
+    assert [r.request_id for r in s.waiting] == ["b", "d"]
+
+
+def test_fair_admission_random_load_all_finish() -> None:
+    rng = random.Random(1)
+    s = make(max_num_seqs=3, budget=40, chunk=16, k=1)
+    rs, held_max = [], 0
+    for step in range(3000):
+        if step < 300 and rng.random() < 0.4:
+            client = "flood" if rng.random() < 0.7 else rng.choice("abc")
+            r = Request(len(rs), [1] * rng.randint(1, 30), SamplingParams(max_tokens=rng.randint(1, 12)),
+                        client=client)
+            s.add(r)
+            rs.append(r)
+        before = set(s.running)
+        out = s.schedule()
+        held = {c: sum(r.client == c for r in s.running) for c in {r.client for r in rs}}
+        for a in (r for r in s.running if r not in before):  # admitted now: its client held the fewest slots
+            assert all(held[a.client] - 1 <= held[w.client] for w in s.waiting)
+        held_max = max(held_max, len(s.running))
+        complete(s, out, accept=rng.randint(0, 1))
+        if step > 300 and not s.has_work:
+            break
+    assert all(r.is_finished for r in rs) and s.num_free_slots == 3 and held_max == 3
