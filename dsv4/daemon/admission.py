@@ -82,7 +82,8 @@ class Admission:
                 for idle in [c for c, st in self._clients.items() if not st.requests]:
                     del self._clients[idle]
             if len(self._clients) >= self.max_clients:
-                self._send(client, P.error(None, P.ERR_BUSY, f"the dsv4 daemon is busy: {len(self._clients)} "
+                self._send(client, P.error(P.request_id_of(body[-1]) if body else None, P.ERR_BUSY,
+                                           f"the dsv4 daemon is busy: {len(self._clients)} "
                                            f"clients connected (the limit); try again later"), reap=False)
                 return
             state = self._clients[client] = ClientState(last_seen=now)
@@ -91,9 +92,9 @@ class Admission:
             self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
             return
         if self.max_frame_bytes is not None and len(body[0]) > self.max_frame_bytes:
-            self._send(client, P.error(None, P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes exceeds the limit of "
-                                       f"{self.max_frame_bytes} bytes {self.frame_limit_reason}; send a shorter "
-                                       f"prompt"))
+            self._send(client, P.error(P.request_id_of(body[0]), P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes "
+                                       f"exceeds the limit of {self.max_frame_bytes} bytes {self.frame_limit_reason}; "
+                                       f"send a shorter prompt"))
             return
         return state, body[0]
 
@@ -109,8 +110,10 @@ class Admission:
         return body
 
     def _pong(self, rid: str) -> dict[str, Any]:
+        limit = P.MAX_MESSAGE_BYTES if self.max_frame_bytes is None else min(self.max_frame_bytes, P.MAX_MESSAGE_BYTES)
         return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.model_name,
-                      endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready")
+                      endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready",
+                      max_message_bytes=limit, message_limit_reason=self.frame_limit_reason)
 
     def _early_pong(self, client: bytes, body: list[bytes]) -> bool:
         """On the watch thread, during a step: answer a ping with the right key at once (True).
@@ -212,8 +215,9 @@ class Admission:
                 self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, refusal))
                 return
         try:
+            # fair shares between connections, and between the end clients one connection names
             self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
-                                    system=req.system, thinking=req.thinking)
+                                    system=req.system, thinking=req.thinking, client=(client, req.client))
         except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
             self._reject(client, req, erid, e)
             return

@@ -7,10 +7,12 @@ Every message is one ZeroMQ frame holding one msgpack map with at least
     id    request id: a client-chosen string, unique among that client's live requests
 
 Client -> daemon                              daemon -> client
-    ping                                          pong     {pid, version, model, state}
+    ping                                          pong     {pid, version, model, state, max_message_bytes,
+                                                            message_limit_reason}
     status                                        status   {status: map}
     generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces]}  (streamed)
-              params, pieces, strict_length}      final    {finish_reason, error, usage, timings, spec}
+              params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec}
+              client}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
     shutdown                                      error    {code, message}  (id null when unknown)
 
@@ -19,7 +21,10 @@ a map of `dsv4.engine.sampling.SamplingParams` fields (the daemon validates it);
 `pieces: true` asks for the text of each token in deltas (for `--show-drafts`);
 `strict_length: true` (the HTTP API, for an explicit max_tokens, as vLLM does) refuses with
 `bad_request` a request whose prompt and max_tokens do not fit in max_model_len, instead
-of stopping it at the model's length (finish_reason "length").
+of stopping it at the model's length (finish_reason "length"). `client` (optional, at most
+MAX_CLIENT_LEN characters) names the end client of a connection that serves several (the
+HTTP front end: an API user); the engine shares its slots fairly between clients, a
+client being a connection and, within it, each `client` name.
 A daemon started with an API key (`serve --api-key`) takes only two-frame messages whose
 first frame is KEY_PREFIX + key, compared in constant time before anything else is
 read; anything else gets an `unauthorized` error and nothing more. A daemon without a
@@ -49,6 +54,7 @@ MAX_MESSAGE_BYTES = 8 << 20  # one frame; larger ones get ERR_TOO_LARGE
 MAX_PROMPT_CHARS = 4 << 20
 MAX_PROMPT_TOKENS = 1 << 20
 MAX_ID_LEN = 128
+MAX_CLIENT_LEN = 256
 KEY_PREFIX = b"dsv4-key:"  # first frame of a message carrying an API key
 HEARTBEAT_INTERVAL_S = 1.0
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -122,6 +128,7 @@ class Generate(Request):
     params: dict[str, Any] = field(default_factory=dict)
     pieces: bool = False
     strict_length: bool = False
+    client: str | None = None
 
 
 REQUEST_TYPES: dict[str, type[Request]] = {c.TYPE: c for c in (Ping, Status, Shutdown, Cancel, Generate)}
@@ -136,6 +143,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "params": (dict,),
     "pieces": (bool,),
     "strict_length": (bool,),
+    "client": (str, type(None)),
 }
 
 
@@ -150,7 +158,8 @@ def _type_name(v: Any) -> str:
 def decode_request(frame: bytes) -> Request:
     """Parse and validate one frame from a client; raises `ProtocolError`."""
     if len(frame) > MAX_MESSAGE_BYTES:
-        raise ProtocolError(ERR_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}")
+        raise ProtocolError(ERR_TOO_LARGE, f"message of {len(frame)} bytes exceeds the limit of {MAX_MESSAGE_BYTES}",
+                            request_id_of(frame))
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception as e:  # msgpack raises several unrelated types on garbage
@@ -193,6 +202,28 @@ def decode_request(frame: bytes) -> Request:
     return req
 
 
+def request_id_of(frame: bytes, max_keys: int = 64, window: int = 64 << 10) -> str | None:
+    """The `id` of a message that cannot be decoded whole (too large, or failing later), read
+    without building its other values (skipped in place), so the error names the request.
+    None when no valid id comes among the first `max_keys` keys and `window` bytes (this
+    module's encoders put it third). Never raises."""
+    try:
+        head = frame[:window]
+        u = msgpack.Unpacker(raw=False, max_buffer_size=max(len(head), 1))
+        u.feed(head)
+        for _ in range(min(u.read_map_header(), max_keys)):
+            key = u.unpack() if head[u.tell():u.tell() + 1] == b"\xa2" else None  # "id" is a 2-character string
+            if key == "id":
+                rid = u.unpack()
+                return rid if isinstance(rid, str) and 0 < len(rid) <= MAX_ID_LEN else None
+            if key is None:
+                u.skip()  # the key
+            u.skip()  # its value
+    except Exception:  # noqa: BLE001  (not msgpack, not a map, cut short: no id)
+        return None
+    return None
+
+
 def _check_generate(g: Generate) -> None:
     if isinstance(g.prompt, str):
         if len(g.prompt) > MAX_PROMPT_CHARS:
@@ -208,6 +239,9 @@ def _check_generate(g: Generate) -> None:
     if g.mode not in PROMPT_MODES:
         raise ProtocolError(ERR_BAD_FIELD, f"field 'mode' must be one of {', '.join(PROMPT_MODES)}, "
                                            f"got {g.mode!r:.40}", g.id)
+    if g.client is not None and len(g.client) > MAX_CLIENT_LEN:
+        raise ProtocolError(ERR_BAD_FIELD, f"field 'client' must be at most {MAX_CLIENT_LEN} characters, got "
+                                           f"{len(g.client)}", g.id)
     if not all(isinstance(k, str) for k in g.params):
         raise ProtocolError(ERR_BAD_FIELD, "field 'params' must be a map with string keys", g.id)
 

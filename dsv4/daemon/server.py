@@ -256,7 +256,8 @@ class Server(Admission):
             self._handle(client, body, answered)
         except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
             log.exception("error while handling a message")
-            self._send(client, P.error(None, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
+            rid = P.request_id_of(body[-1]) if body else None  # the request's own error, when it names one
+            self._send(client, P.error(rid, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
 
     # ------------------------------------------------------------------ messages
     def _handle(self, client: bytes, body: list[bytes], answered: bool = False) -> None:

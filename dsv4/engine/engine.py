@@ -167,9 +167,10 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_mode: str = "auto", system: str | None = None,
-                    thinking: bool = False) -> str:
+                    thinking: bool = False, client: Any = None) -> str:
         """Queue a request; raises `RequestError` (for this request alone) when it cannot run.
-        Without `params`, the model's defaults (`make_params({})`) apply."""
+        Without `params`, the model's defaults (`make_params({})`) apply. `client` (any
+        hashable) names who asked: the scheduler shares slots fairly between clients."""
         params = params or dataclasses.replace(self.default_params)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
@@ -179,7 +180,7 @@ class Engine:
         else:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, params)
+        req = Request(rid, ids, params, client=client)
         self.scheduler.add(req)  # validates; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop)),

@@ -75,6 +75,21 @@ def test_error_keeps_the_request_id_when_it_can() -> None:
     assert e.value.request_id == "mine"
 
 
+def test_request_id_of_reads_the_id_without_decoding_the_rest() -> None:
+    big = P.encode(P.Generate("mine", prompt="x" * (20 << 20)).to_wire())
+    assert P.request_id_of(big) == "mine" and P.request_id_of(big[:200]) == "mine"
+    assert P.request_id_of(msgpack.packb({"a" * 1000: [1, 2], "id": "late"})) == "late"
+    for bad in (b"", b"\x93garbage", msgpack.packb([1, 2]), msgpack.packb({"id": 5}), msgpack.packb({"id": ""}),
+                msgpack.packb({"x": "y" * (100 << 10), "id": "past the window"})):
+        assert P.request_id_of(bad) is None
+
+
+def test_generate_client_field() -> None:
+    assert P.decode_request(frame(type="generate", id="a", prompt="x", client="user-1")).client == "user-1"
+    assert code_of(frame(type="generate", id="a", prompt="x", client=5)) == P.ERR_BAD_FIELD
+    assert code_of(frame(type="generate", id="a", prompt="x", client="u" * (P.MAX_CLIENT_LEN + 1))) == P.ERR_BAD_FIELD
+
+
 def test_to_wire_makes_anything_packable() -> None:
     out = P.to_wire({"a": (1, 2), "b": float("nan"), "c": Path("/x"), 3: {"d": object()}})
     assert out["a"] == [1, 2] and out["b"] is None and out["c"] == "/x" and isinstance(out["3"]["d"], str)
@@ -224,6 +239,7 @@ def collect(c: Client, rid: str) -> tuple[str, dict[str, Any]]:
 def test_generate_streams_deltas_then_final(harness: Harness) -> None:
     with harness.client() as c:
         assert c.daemon["model"] == "fake" and c.daemon["state"] == "ready"
+        assert c.daemon["max_message_bytes"] == P.MAX_MESSAGE_BYTES  # what the HTTP front end checks against
         text, final = collect(c, c.generate("hi", {"max_tokens": 5}))
         assert text == "xxxxx" and final["finish_reason"] == "length" and final["usage"] == {"completion_tokens": 5}
         st = c.status()
@@ -240,16 +256,19 @@ def test_bad_frames_get_error_replies_and_the_daemon_keeps_serving(harness: Harn
                  [frame(type="dance", id="u")], [b"", frame(type="ping", id="p")],
                  [frame(type="generate", id="big", prompt="y" * 51)],
                  [frame(type="generate", id="prm", prompt="ok", params={"max_tokens": 0})],
-                 [frame(type="generate", id="unk", prompt="ok", params={"nope": 1})]]
-        codes = []
+                 [frame(type="generate", id="unk", prompt="ok", params={"nope": 1})],
+                 [frame(type="generate", id="huge", prompt="z" * (P.MAX_MESSAGE_BYTES + 1))]]
+        codes, ids = [], []
         for parts in sends:
             raw.send_multipart(parts)
             assert raw.poll(5000), f"no reply to {parts!r:.60}"
             reply = msgpack.unpackb(raw.recv())
             assert reply["type"] == "error" and reply["v"] == P.PROTOCOL_VERSION
             codes.append(reply["code"])
+            ids.append(reply["id"])
         assert codes == [P.ERR_BAD_MESSAGE, P.ERR_BAD_VERSION, P.ERR_UNKNOWN_TYPE, P.ERR_BAD_MESSAGE,
-                         P.ERR_BAD_REQUEST, P.ERR_INVALID_PARAMS, P.ERR_INVALID_PARAMS]
+                         P.ERR_BAD_REQUEST, P.ERR_INVALID_PARAMS, P.ERR_INVALID_PARAMS, P.ERR_TOO_LARGE]
+        assert ids == [None, "v", "u", None, "big", "prm", "unk", "huge"]  # every error that can name its request
     finally:
         raw.close()
     with harness.client() as c:
