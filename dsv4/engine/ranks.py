@@ -64,12 +64,6 @@ def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
     return [int(b) for b in parallel.all_gather(torch.tensor([mine], dtype=torch.float64, device=dev)).tolist()]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _exit_when_closed(pipe: Any) -> None:
     """Block on the pipe from rank 0; when it closes (rank 0 gone), leave at once."""
     try:
@@ -92,11 +86,11 @@ def _local_device(config: Any, rank: int) -> str:
     return dev
 
 
-def _join(rank: int, config: Any, addr: str, port: int, dev: str) -> None:
+def _join(rank: int, config: Any, addr: str, port: int, dev: str, listener: socket.socket | None = None) -> None:
     agent = config.launch is not None and config.launch.agent_store  # torchrun's agent serves the store
     parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
                   timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
-                  serve_store=False if agent else None)
+                  serve_store=False if agent else None, listener=listener)
     if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
         from .transport import ShmChannel
 
@@ -169,7 +163,18 @@ class Ranks:
         per_host = T // N if launch is None else 1  # the ranks this process starts, itself included
         self.first = config.node_rank * per_host if launch is None else launch.rank
         addr = config.master_addr or "127.0.0.1" if launch is None else launch.master_addr
-        port = config.master_port or _free_port() if launch is None else launch.master_port
+        port = config.master_port or 0 if launch is None else launch.master_port
+        listener = None  # rank 0's store socket, bound before any rank is told the port (no re-bind race)
+        if launch is None and self.first == 0:
+            try:
+                listener = parallel.listen(addr, port)
+            except OSError as e:
+                where = (f"--master-addr {addr} --master-port {port}" if N > 1 or config.master_addr
+                         or config.master_port else f"--tensor-parallel-size {T}")
+                raise RankError(f"{where}: rank 0 cannot listen for the other ranks at {addr}:{port} "
+                                f"({e.strerror or e})") from None
+            port = listener.getsockname()[1]
+        self.store = (addr, port)  # where the ranks meet (rank 0 stops listening there once all joined, on gloo)
         ctx = mp.get_context("spawn")
         self.procs, self.pipes = [], []
         for r in range(self.first + 1, self.first + per_host):
@@ -182,7 +187,7 @@ class Ranks:
             self.pipes.append(parent)
         self.device = _local_device(config, self.first)
         try:
-            _join(self.first, config, addr, port, self.device)
+            _join(self.first, config, addr, port, self.device, listener)
         except Exception as e:
             self.close()
             if launch is not None:

@@ -14,18 +14,33 @@ The collectives of DeepSeek's reference layout (docs/distributed-layout.md):
 
 At world size 1 (no group initialised) every collective returns its input unchanged.
 Per-request state is replicated on every rank.
+
+The rendezvous store (rank 0's `TCPStore`) has no authentication (any client may read,
+list and write its keys), so it is exposed as little as the backends allow: it listens on
+the master address only (`listen`: a socket bound there, its descriptor handed to the
+store, so the port is never closed and re-bound: no window for an impostor store), and on
+gloo, which reads the store only while the group forms, it is closed as soon as every rank
+has joined (a barrier, then the server is dropped). NCCL and HCCL set up communicators
+lazily through the store, so there it stays up, on the master address only, until `close`.
+With a loopback master address (every rank on this host), gloo's own listeners are put on
+the loopback interface too (GLOO_SOCKET_IFNAME, unless set).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import ipaddress
+import os
 import socket
 import time
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 _GROUP: dist.ProcessGroup | None = None
+_SERVER: dist.TCPStore | None = None  # rank 0's store server, kept only where the backend needs it after init
 STATS: dict[str, list] = {}  # collective -> [calls, seconds] on this rank (benchmarks/parallel.py)
 
 
@@ -37,23 +52,81 @@ def count(name: str, t0: float) -> None:
 
 
 # ------------------------------------------------------------------ the group
+def listen(addr: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on `addr`:`port` and nowhere else (port 0: one the kernel picks),
+    for rank 0's store: `init` hands its descriptor over, so the port stays bound from the
+    moment it is chosen. `OSError` when `addr` is not an address of this host or the port is taken."""
+    family, kind, proto, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    s = socket.socket(family, kind, proto)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a fixed --master-port reusable at once
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        s.bind(sockaddr)
+        s.listen(128)
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def init(rank: int, world: int, master_addr: str, master_port: int, *, backend: str = "gloo",
-         timeout_s: float = 60.0, rendezvous_s: float | None = None, serve_store: bool | None = None) -> None:
+         timeout_s: float = 60.0, rendezvous_s: float | None = None, serve_store: bool | None = None,
+         listener: socket.socket | None = None) -> None:
     """Join the group of `world` ranks rendezvousing at master_addr:master_port (TCP store,
     served by rank 0, or by torchrun's agent: `serve_store` False on every rank).
-    `rendezvous_s` (default `timeout_s`) bounds the wait for the others; `timeout_s`
-    bounds every collective (a dead peer cannot hang a rank)."""
-    global _GROUP
+    The serving rank's store listens on `listener` (from `listen`; taken over) or else on
+    a socket `listen(master_addr, master_port)` binds here. `rendezvous_s` (default
+    `timeout_s`) bounds the wait for the others; `timeout_s` bounds every collective (a
+    dead peer cannot hang a rank)."""
+    global _GROUP, _SERVER
     timeout = datetime.timedelta(seconds=timeout_s)
     wait = rendezvous_s if rendezvous_s is not None else timeout_s
     meet = datetime.timedelta(seconds=wait)
     is_master = rank == 0 if serve_store is None else serve_store
-    if not is_master:
+    server = None
+    if is_master:
+        sock = listener if listener is not None else listen(master_addr, master_port)
+        master_port = sock.getsockname()[1]
+        server = dist.TCPStore(master_addr, master_port, world, is_master=True, timeout=meet,
+                               wait_for_workers=False, master_listen_fd=sock.detach())
+    else:
         _wait_for_master(master_addr, master_port, wait)
-    store = dist.TCPStore(master_addr, master_port, world, is_master=is_master, timeout=meet,
-                          wait_for_workers=False)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # a client of its own even on the serving rank: the group keeps this one, and the server can go
+    store = dist.TCPStore(master_addr, master_port, world, is_master=False, timeout=meet)
+    with _loopback_gloo(master_addr, backend):
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     _GROUP = dist.group.WORLD
+    if backend == "gloo":
+        dist.barrier()  # every rank is through the rendezvous: nobody reads the store again
+        server = None  # the listener closes with it
+    _SERVER = server
+
+
+@contextlib.contextmanager
+def _loopback_gloo(master_addr: str, backend: str) -> Iterator[None]:
+    """gloo's listeners on the loopback interface while the group forms, when the master
+    address is a loopback one (every rank on this host) and GLOO_SOCKET_IFNAME is unset;
+    otherwise gloo binds the address this host's name resolves to."""
+    names = {name for _, name in socket.if_nameindex()}
+    lo = next((n for n in ("lo", "lo0") if n in names), None)
+    if backend != "gloo" or lo is None or os.environ.get("GLOO_SOCKET_IFNAME") or not _is_loopback(master_addr):
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = lo
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
+
+
+def _is_loopback(addr: str) -> bool:
+    """Whether every address `addr` resolves to is a loopback one."""
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].partition("%")[0]).is_loopback for i in infos)
 
 
 def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
@@ -72,10 +145,11 @@ def _wait_for_master(addr: str, port: int, timeout_s: float) -> None:
 
 def close() -> None:
     """Leave the group (a no-op when none was joined)."""
-    global _GROUP
+    global _GROUP, _SERVER
     if _GROUP is not None:
         dist.destroy_process_group()
         _GROUP = None
+    _SERVER = None
 
 
 def world_size() -> int:

@@ -3,7 +3,8 @@ greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the si
 process token for token (none and w8a8), with auto K (any K sequence) equals K = 0 (a
 seeded sampled request too: its draws are keyed by position, not by rank or K), and at --tensor-parallel-size 4 (on the tiny
 config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
-behind (nor anything in /dev/shm); a size that does not divide the model is refused
+behind (nor anything in /dev/shm), and rank 0's rendezvous store no longer listens once
+the group is up; a size that does not divide the model is refused
 before loading."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dsv4.engine.ranks import RankError
 from dsv4.engine import plan
 from tests.checkpoints import write_tiny_checkpoint
 from tests.model.conftest import W8A8_DENSE, assert_chains_agree
+from tests.model.test_rendezvous import listening
 
 GEN = 8
 
@@ -119,6 +121,9 @@ def test_killed_rank_fails_the_step_and_leaves_nothing(tiny_checkpoint):
     try:
         pids = llm.engine.ranks.pids
         assert type(plan.channel()).__name__ == "ShmChannel"  # one host: the plans go through shared memory
+        # the group is up: rank 0's store (bound to 127.0.0.1 before rank 1 was told its port) is closed
+        addr, port = llm.engine.ranks.store
+        assert addr == "127.0.0.1" and all(a[1] != port for a in listening(os.getpid()).values())
         llm.engine.add_request(_prompts()[1], SamplingParams(max_tokens=50, ignore_eos=True))
         llm.engine.step()  # mid-request
         os.kill(pids[0], signal.SIGKILL)
