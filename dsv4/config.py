@@ -13,7 +13,10 @@ lightning indexer) or ``"hca"`` (non-overlapping compressor, all entries). In th
 official key set a ratio of 4 means CSA and any other ratio > 1 means HCA, exactly as
 the reference code decides (`overlap = ratio == 4`).
 
-Problems are reported as `ConfigError` with a message naming the offending key.
+Problems are reported as `ConfigError` with a message naming the offending key (or the
+file, when it is not UTF-8 JSON). Numbers are range-checked as tensors are checked finite:
+NaN, infinities and values outside a key's range (a RoPE base <= 1, a non-positive epsilon
+or YaRN factor, ...) are errors, not a model that loads and prints garbage.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .config_values import ConfigError, Getter, integer as _integer, real as _real
+
 WINDOW, CSA, HCA = "window", "csa", "hca"
 HF_LAYER_TYPES = {
     "sliding_attention": WINDOW,
@@ -33,10 +38,6 @@ HF_LAYER_TYPES = {
 HF_DEFAULT_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 # The prefill tile of the reference NPU kernel: the most prompt tokens one dispatch may take.
 DEEPSEEK_V4_PREFILL_LIMIT = 128
-
-
-class ConfigError(ValueError):
-    """A config.json that dsv4 cannot run; the message names the key."""
 
 
 @dataclass(frozen=True)
@@ -171,9 +172,19 @@ class ModelConfig:
         if not f.is_file():
             raise ConfigError(f"no config.json in {p}: is this a DeepSeek V4 checkpoint directory?")
         try:
-            d = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            raw = f.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"{f}: cannot read ({e.strerror or e})") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{f}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start})") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
             raise ConfigError(f"{f}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ConfigError(f"{f}: not valid JSON (nested too deeply)") from None
         if not isinstance(d, dict):
             raise ConfigError(f"{f}: expected a JSON object")
         return cls.from_dict(d)
@@ -183,7 +194,7 @@ class ModelConfig:
         mt = d.get("model_type")
         if mt != "deepseek_v4":
             raise ConfigError(f"model_type {mt!r} is not supported; dsv4 runs model_type 'deepseek_v4'")
-        g = _Getter(d)
+        g = Getter(d)
         n_layers = g.int("num_hidden_layers")
         head_dim = g.int("head_dim")
         kinds, ratios = _layer_kinds(d, n_layers)
@@ -217,22 +228,22 @@ class ModelConfig:
             n_routed_experts=g.int("n_routed_experts"),
             n_shared_experts=g.int("n_shared_experts", 1, minimum=0),
             num_experts_per_tok=g.int("num_experts_per_tok"),
-            routed_scaling_factor=g.float("routed_scaling_factor", 1.0),
-            swiglu_limit=g.float("swiglu_limit", 0.0),
+            routed_scaling_factor=g.float("routed_scaling_factor", 1.0, above=0),
+            swiglu_limit=g.float("swiglu_limit", 0.0, at_least=0),
             index_n_heads=g.int("index_n_heads", 64) if CSA in kinds else g.int("index_n_heads", 1),
             index_head_dim=g.int("index_head_dim", 128),
             index_topk=g.int("index_topk", 512),
             hc_mult=g.int("hc_mult", 4),
             hc_sinkhorn_iters=g.int("hc_sinkhorn_iters", 20),
-            hc_eps=g.float("hc_eps", 1e-6),
-            rms_norm_eps=g.float("rms_norm_eps", 1e-6),
+            hc_eps=g.float("hc_eps", 1e-6, above=0),
+            rms_norm_eps=g.float("rms_norm_eps", 1e-6, above=0),
             rope_theta=rope_theta,
             compress_rope_theta=compress_theta,
             yarn=yarn,
             max_position_embeddings=g.int("max_position_embeddings"),
             num_nextn_predict_layers=g.int("num_nextn_predict_layers", 0, minimum=0),
-            bos_token_id=d.get("bos_token_id", 0),
-            eos_token_id=_first(d.get("eos_token_id", 1)),
+            bos_token_id=_integer("bos_token_id", d.get("bos_token_id", 0)),
+            eos_token_id=_integer("eos_token_id", _first(d.get("eos_token_id", 1))),
             scoring_func=d.get("scoring_func", "sqrtsoftplus"),
             raw=dict(d),
         )
@@ -245,31 +256,6 @@ class ModelConfig:
         if cfg.num_nextn_predict_layers > 1:
             raise ConfigError("num_nextn_predict_layers > 1 is not supported (DeepSeek V4 ships one MTP layer)")
         return cfg
-
-
-class _Getter:
-    """Typed access to required/optional keys with errors that name the key."""
-
-    def __init__(self, d: dict[str, Any]):
-        self.d = d
-
-    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        v = self.d.get(key, default)
-        if v is None:
-            raise ConfigError(f"config.json is missing required key {key!r}")
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{key!r} must be an integer, got {v!r}")
-        if v < minimum:
-            raise ConfigError(f"{key!r} must be >= {minimum}, got {v}")
-        return v
-
-    def float(self, key: str, default: float | None = None) -> float:
-        v = self.d.get(key, default)
-        if v is None:
-            raise ConfigError(f"config.json is missing required key {key!r}")
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ConfigError(f"{key!r} must be a number, got {v!r}")
-        return float(v)
 
 
 def _first(v: Any) -> Any:
@@ -302,13 +288,13 @@ def _layer_kinds_of(d: dict[str, Any], n: int) -> tuple[list[str], list[int]]:
             if t not in HF_LAYER_TYPES:
                 raise ConfigError(f"'layer_types' entry {t!r} is not one of {sorted(HF_LAYER_TYPES)}")
             kinds.append(HF_LAYER_TYPES[t])
-            ratios.append(0 if t == "sliding_attention" else int(rates[t]))
+            ratios.append(0 if t == "sliding_attention" else _integer(f"compress_rates[{t!r}]", rates[t]))
     elif d.get("compress_ratios") is not None:
         cr = d["compress_ratios"]
         if not isinstance(cr, list) or len(cr) < n:
             raise ConfigError(f"'compress_ratios' has {len(cr) if isinstance(cr, list) else '?'} entries, "
                               f"but num_hidden_layers is {n} (one entry per layer, plus one per MTP layer)")
-        ratios = [int(r) for r in cr[:n]]
+        ratios = [_integer(f"compress_ratios[{i}]", r) for i, r in enumerate(cr[:n])]
         kinds = [WINDOW if r == 0 else CSA if r == 4 else HCA for r in ratios]
     else:
         raise ConfigError("config.json is missing required key 'compress_ratios' (or 'layer_types')")
@@ -320,9 +306,12 @@ def _layer_kinds_of(d: dict[str, Any], n: int) -> tuple[list[str], list[int]]:
 
 def _rope_dim(d: dict[str, Any], head_dim: int) -> int:
     if d.get("qk_rope_head_dim") is not None:
-        return int(d["qk_rope_head_dim"])
+        return _integer("qk_rope_head_dim", d["qk_rope_head_dim"], 1)
     if d.get("partial_rotary_factor") is not None:
-        return int(head_dim * float(d["partial_rotary_factor"]))
+        factor = _real("partial_rotary_factor", d["partial_rotary_factor"], above=0)
+        if factor > 1:
+            raise ConfigError(f"'partial_rotary_factor' must be at most 1, got {factor:g}")
+        return int(head_dim * factor)
     raise ConfigError("config.json is missing required key 'qk_rope_head_dim' (or 'partial_rotary_factor')")
 
 
@@ -347,10 +336,11 @@ def _yarn(p: dict[str, Any]) -> YarnParams | None:
         raise ConfigError(f"rope scaling type {kind!r} is not supported (DeepSeek V4 uses 'yarn')")
     try:
         return YarnParams(
-            factor=float(p["factor"]),
-            original_max_position_embeddings=int(p["original_max_position_embeddings"]),
-            beta_fast=float(p.get("beta_fast") or 32),
-            beta_slow=float(p.get("beta_slow") or 1),
+            factor=_real("rope_scaling factor", p["factor"], above=0),
+            original_max_position_embeddings=_integer("rope_scaling original_max_position_embeddings",
+                                                      p["original_max_position_embeddings"], 1),
+            beta_fast=_real("rope_scaling beta_fast", p.get("beta_fast") or 32, above=0),
+            beta_slow=_real("rope_scaling beta_slow", p.get("beta_slow") or 1, above=0),
         )
     except KeyError as e:
         raise ConfigError(f"rope scaling is missing key {e.args[0]!r}") from None
@@ -360,10 +350,19 @@ def _rope(d: dict[str, Any]) -> tuple[float, float, YarnParams | None]:
     rp = d.get("rope_parameters")
     if isinstance(rp, dict) and isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main, comp = rp["main"], rp["compress"]
-        return float(main.get("rope_theta", 10000.0)), float(comp.get("rope_theta", 160000.0)), _yarn(comp)
+        return (_base("rope_parameters main rope_theta", main.get("rope_theta", 10000.0)),
+                _base("rope_parameters compress rope_theta", comp.get("rope_theta", 160000.0)), _yarn(comp))
     scaling = d.get("rope_scaling") or (rp if isinstance(rp, dict) else None)
+    if scaling and not isinstance(scaling, dict):
+        raise ConfigError(f"'rope_scaling' must be an object, got {scaling!r:.60}")
     yarn = _yarn(scaling) if scaling else None
-    return float(d.get("rope_theta", 10000.0)), float(d.get("compress_rope_theta", 160000.0)), yarn
+    return (_base("rope_theta", d.get("rope_theta", 10000.0)),
+            _base("compress_rope_theta", d.get("compress_rope_theta", 160000.0)), yarn)
+
+
+def _base(key: str, v: Any) -> float:
+    """A RoPE base: finite and > 1 (its log divides YaRN's correction range)."""
+    return _real(key, v, above=1)
 
 
 def yarn_inv_freq(dim: int, base: float, yarn: YarnParams | None):
