@@ -11,11 +11,22 @@ of its counterpart in SRC (safetensors writes its files 0600 otherwise). At most
 shard of converted tensors is held at a time.
 Loading DST gives bit-identical weights (and logits) to converting SRC at load time:
 the conversions are the same functions.
+
+The conversion is atomic: everything is written into a new hidden directory beside DST
+(`.DST.dsv4-convert-XXXXXXXX`), which is renamed to DST only once complete; a failed run
+removes it (a killed one leaves only that hidden directory, which blocks no rerun). SRC
+is checked as `load_model` checks it (every float tensor finite, hash-routing tables in
+range), so a corrupt source fails the conversion rather than the later load. A full disk
+(or any other write error) is one line naming DST.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import re
+import secrets
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -24,7 +35,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import ModelConfig
-from .checkpoint import CONFIG_NAME, INDEX_NAME, QUANTIZATION_KEY, Checkpoint, CheckpointError, dequantize, scale_name
+from .checkpoint import (CONFIG_NAME, INDEX_NAME, QUANTIZATION_KEY, Checkpoint, CheckpointError, check_tid2eid,
+                         dequantize, scale_name, validate_tensor)
 from .model import DeepseekV4
 from .w8a8 import QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
 
@@ -35,7 +47,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = 
                        shard_bytes: int = 4 << 30, progress: Callable[[int, int], None] | None = None
                        ) -> RowCounts:
     """Convert SRC to DST (see the module docstring); returns how the FP4 rows converted.
-    Raises `CheckpointError` (one line) for unusable input, before writing anything."""
+    Raises `CheckpointError` (one line) for unusable input (before writing anything, or
+    for a corrupt tensor when it is read) and for a write that fails; DST is then untouched."""
     if quantization != "w8a8":
         raise CheckpointError(f"--quantization {quantization!r}: convert writes w8a8 checkpoints only "
                               f"(use --quantization w8a8)")
@@ -43,7 +56,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = 
     ck = Checkpoint(src)
     if ck.quantization != "none":
         raise CheckpointError(f"{src} is already a {ck.quantization} conversion; convert the original checkpoint")
-    if dst.exists() and any(dst.iterdir()):
+    if dst.is_symlink() or dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"output directory {dst} exists and is not empty; choose a new directory")
     cfg = ModelConfig.from_dir(src)
     with torch.device("meta"):
@@ -54,14 +67,66 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = 
 
     check_tensors(_produced_shapes(ck, model), {k: tuple(v.shape) for k, v in model.state_dict().items()})
 
-    dst.mkdir(parents=True, exist_ok=True)
+    work = _work_dir(dst)
+    try:
+        counts = _write(ck, src, work, quantized, cfg.n_routed_experts, shard_bytes, progress)
+        try:
+            work.rename(dst)  # replaces an empty DST
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):  # DST appeared meanwhile
+                raise CheckpointError(f"output directory {dst} exists and is not empty; choose a new directory") from None
+            raise
+    except OSError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise CheckpointError(f"{dst}: no space left on the device while writing the converted checkpoint "
+                                  f"(nothing was kept; free space there or choose another directory)") from None
+        raise CheckpointError(f"{dst}: cannot write the converted checkpoint: {e.strerror or e}"
+                              + (f" ({e.filename})" if e.filename else "")) from None
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    return counts
+
+
+def _work_dir(dst: Path) -> Path:
+    """A new, empty hidden directory beside `dst` (its mode from the umask, as `mkdir`'s)."""
+    try:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            work = dst.parent / f".{dst.name}.dsv4-convert-{secrets.token_hex(4)}"
+            try:
+                work.mkdir(0o777)
+                return work
+            except FileExistsError:
+                continue
+        raise FileExistsError(errno.EEXIST, "no free temporary name", str(dst.parent))
+    except OSError as e:
+        raise CheckpointError(f"{dst}: cannot create a directory beside it: {e.strerror or e}") from None
+
+
+def _save(shard: dict[str, torch.Tensor], path: Path) -> None:
+    """`save_file`, its I/O errors (a SafetensorError "... (os error N)") as `OSError`."""
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except Exception as e:  # noqa: BLE001  (safetensors has its own exception type)
+        m = re.search(r"os error (\d+)", str(e))
+        if isinstance(e, OSError) or m is None:
+            raise
+        code = int(m.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+def _write(ck: Checkpoint, src: Path, dst: Path, quantized: set[str], n_experts: int, shard_bytes: int,
+           progress: Callable[[int, int], None] | None) -> RowCounts:
+    """Convert and write every file of the checkpoint into the (new, empty) directory `dst`."""
     counts, shard, size, names, weight_map, total = RowCounts(), {}, 0, [], {}, 0
 
     def flush() -> None:
         nonlocal shard, size
         if shard:
             fname = f"model-{len(names) + 1:05d}.safetensors"  # renamed to -of-N once N is known
-            save_file(shard, str(dst / fname), metadata={"format": "pt"})
+            _save(shard, dst / fname)
             names.append(fname)
             weight_map.update({k: fname for k in shard})
             shard, size = {}, 0
@@ -80,6 +145,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, *, quantization: str = 
                 pieces = {name: dequantize(kind, raw, scale, torch.bfloat16)}
             else:
                 pieces = {name: raw.contiguous()}
+            # what load_model would refuse: NaN/inf (an int8 linear's row scales carry its weight's), bad expert ids
+            validate_tensor(name, ck.entries[name].file, pieces.get(scale_name(name), pieces[name]))
+            check_tid2eid(pieces, n_experts)
             for k, t in pieces.items():
                 shard[k] = t
                 size += t.numel() * t.element_size()
