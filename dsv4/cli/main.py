@@ -69,7 +69,7 @@ def serve(
     compile: O.Compile = None,
     nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
-    http: O.Http = None, api_key: O.ApiKey = None,
+    http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -102,6 +102,9 @@ def serve(
             http_server = HttpServer(parse_address(http, api_key), api_key)
         except HttpError as e:
             raise CliError(str(e), O.EXIT_USAGE) from None
+        http_server.max_prompts = max_prompts_per_request
+    if max_prompts_per_request is not None and http is None:
+        raise CliError("--max-prompts-per-request needs --http", O.EXIT_USAGE)
     if detach:
         from dsv4.daemon.process import engine_settings, report_running, spawn_detached
 
@@ -113,6 +116,8 @@ def serve(
             raise typer.Exit(O.EXIT_OK)
         try:
             http_argv = ["--http", http] if http is not None else []
+            if max_prompts_per_request is not None:
+                http_argv += ["--max-prompts-per-request", str(max_prompts_per_request)]
             pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint, *http_argv], endpoint,
                                        api_key=api_key)
         except TimeoutError as e:

@@ -8,7 +8,10 @@ Each HTTP request becomes one daemon `generate` per prompt, sent through the `Br
   parameters (the daemon's `SamplingParams.validate` message, fields dsv4 does not honour,
   a `max_tokens` that does not fit in --max-model-len after the prompt, as vLLM does),
   401 for a wrong key, 404 for unknown models and routes, 413 for bodies over
-  MAX_BODY_BYTES, 503 when the daemon does not answer a new request.
+  MAX_BODY_BYTES and prompts over the daemon's message limit, 400 for more prompts than
+  --max-prompts-per-request, 503 when the daemon does not answer a new request or its
+  queue is full (`dsv4.http.submit`). Each request counts for a client (its `user`, else
+  its peer address) in the engine's fair shares of slots.
 * Streams start with their first text (so a request that fails before it still gets its
   HTTP status). A stream that fails after that ends with `data: {"error": ...}` and no
   `data: [DONE]`: the `openai` client raises `APIError` on that event, and a client that
@@ -42,6 +45,7 @@ from dsv4.http.bridge import Bridge, DaemonUnavailable
 from dsv4.http.metrics import Metrics
 from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion
 from dsv4.http.stream import ReasoningSplitter
+from dsv4.http.submit import DEFAULT_MAX_PROMPTS, client_of, submit
 
 MAX_BODY_BYTES = 8 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -57,9 +61,10 @@ class Api:
     """State of the HTTP app: the served model, the bridge, the metrics, the API key."""
 
     def __init__(self, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any,
-                 ctx: Any, endpoint: str, api_key: str | None = None) -> None:
+                 ctx: Any, endpoint: str, api_key: str | None = None, max_prompts: int | None = None) -> None:
         self.model_name, self.model_path, self.max_model_len = model_name, model_path, max_model_len
         self.tokenizer, self.api_key = tokenizer, api_key
+        self.max_prompts = max_prompts or DEFAULT_MAX_PROMPTS  # per request (--max-prompts-per-request)
         self._ctx, self._endpoint = ctx, endpoint
         self.bridge: Bridge | None = None
         self.metrics = Metrics(model_name)
@@ -108,23 +113,11 @@ class Api:
                                 f"{self.model_name!r}", "model", code="model_not_found")
         return body
 
-    def _submit(self, parsed: Parsed) -> tuple[asyncio.Queue, list[str]]:
+    async def _submit(self, parsed: Parsed, client: str, chat: bool) -> tuple[asyncio.Queue, list[str]]:
+        """The prompts to the daemon (dsv4.http.submit: cap, size, busy, fair-share client)."""
         assert self.bridge is not None
-        q: asyncio.Queue = asyncio.Queue()
-        rids = []
-        try:
-            for prompt in parsed.prompts:
-                # an explicit max_tokens must fit (400 otherwise); without one, generation stops at the model's length
-                rid, _ = self.bridge.generate(prompt, parsed.params, mode=parsed.mode, thinking=parsed.thinking,
-                                              queue=q, strict_length="max_tokens" in parsed.params)
-                rids.append(rid)
-        except DaemonUnavailable as e:
-            self._cancel(rids)
-            raise ApiError(503, str(e)) from None
-        except ValueError as e:
-            self._cancel(rids)
-            raise ApiError(413, str(e)) from None
-        return q, rids
+        return await submit(self.bridge, parsed, client=client, max_prompts=self.max_prompts,
+                            param="messages" if chat else "prompt")
 
     def _cancel(self, rids: list[str]) -> None:
         for rid in rids:
@@ -181,16 +174,18 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         self._auth(request)
-        return await self._serve(request, parse_completion(await self._body(request)), chat=False)
+        body = await self._body(request)
+        return await self._serve(request, parse_completion(body), chat=False, client=client_of(request, body))
 
     async def chat(self, request: Request) -> Response:
         self._auth(request)
-        return await self._serve(request, parse_chat(await self._body(request), self.tokenizer), chat=True)
+        body = await self._body(request)
+        return await self._serve(request, parse_chat(body, self.tokenizer), chat=True, client=client_of(request, body))
 
     # ------------------------------------------------------------------ generation
-    async def _serve(self, request: Request, parsed: Parsed, chat: bool) -> Response:
+    async def _serve(self, request: Request, parsed: Parsed, chat: bool, client: str) -> Response:
         t0 = time.monotonic()
-        q, rids = self._submit(parsed)
+        q, rids = await self._submit(parsed, client, chat)
         index = {rid: i for i, rid in enumerate(rids)}
         run = _Run(self, parsed, chat, index, t0)
         gone = asyncio.create_task(_disconnected(request))  # the body is read: what comes next is a disconnect

@@ -2,12 +2,20 @@
 
     bridge = Bridge(ctx, "inproc://dsv4-http")   # created inside the running event loop
     await bridge.start()                         # reader task + heartbeat task
-    q = bridge.generate(prompt, params, ...)     # an asyncio.Queue of delta/final/error messages
-    bridge.cancel(rid)                           # fire and forget (safe in a `finally`)
+    rid, q = await bridge.generate(prompt, params, ...)  # q: an asyncio.Queue of delta/final/error messages
+    bridge.cancel(rid)                           # fire and forget (safe in a `finally`), never lost
 
 Only the event loop's thread touches the socket. The reader task drains the socket all the
 time and puts each reply on its request's unbounded queue, so a slow HTTP client only
 grows its own queue: the daemon (and every other request) never waits for it.
+
+Sending: every message is checked against the daemon's message limit (its pong's
+`max_message_bytes`, set by --max-model-len) before it goes: `MessageTooLarge` (413), not
+a daemon error that could not name the request. The send queue holds SEND_HWM messages
+(plus the daemon's receive queue); when it is full a generate waits for room up to
+SEND_WAIT_S and then fails with `DaemonBusy` (503), a status call within its timeout, a
+ping is skipped (the next one follows), and a cancel waits in pyzmq's send queue for as
+long as it takes: a cancel is never lost, so no request keeps running for nobody.
 
 Liveness: a DEALER queues silently while nobody answers, so the heartbeat task pings
 (every second, or a quarter of the window) and `alive` says whether the daemon answered
@@ -36,6 +44,8 @@ from dsv4.daemon import protocol as P
 log = logging.getLogger("dsv4.http")
 
 ALIVE_WINDOW_S = 10.0  # no pong for this long: new requests get 503
+SEND_HWM = 1000  # messages queued for the daemon before a send waits (inproc adds the daemon's receive queue)
+SEND_WAIT_S = 10.0  # a generate waits this long for room in a full send queue, then DaemonBusy
 
 
 def alive_window() -> float:
@@ -48,17 +58,28 @@ class DaemonUnavailable(Exception):
     """The daemon did not answer (503)."""
 
 
+class DaemonBusy(Exception):
+    """The queue of messages to the daemon stayed full (503)."""
+
+
+class MessageTooLarge(ValueError):
+    """A request over the daemon's message limit (413)."""
+
+
 class Bridge:
     """A DEALER on `endpoint` shared by every HTTP request of this process."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, api_key: str | None = None,
-                 alive_window_s: float | None = None) -> None:
+                 alive_window_s: float | None = None, send_hwm: int = SEND_HWM, send_wait_s: float = SEND_WAIT_S
+                 ) -> None:
         self.alive_window_s = alive_window_s if alive_window_s is not None else alive_window()
         self.ping_interval_s = min(P.HEARTBEAT_INTERVAL_S, self.alive_window_s / 4)
         self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None  # the daemon's key, if any
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm)
+        self.send_hwm, self.send_wait_s = send_hwm, send_wait_s
         self._sock.connect(endpoint)
         self._queues: dict[str, asyncio.Queue] = {}
         self._calls: dict[str, asyncio.Future] = {}
@@ -89,43 +110,60 @@ class Bridge:
     def new_id(self) -> str:
         return f"h{next(self._ids)}"
 
-    # ------------------------------------------------------------------ sending
-    def _send(self, msg: dict[str, Any]) -> None:
-        frame = P.encode(msg)
-        if len(frame) > P.MAX_MESSAGE_BYTES:
-            raise ValueError(f"request of {len(frame)} bytes exceeds the limit of {P.MAX_MESSAGE_BYTES}")
-        if self._key_frame is not None:
-            self._sock.send_multipart([self._key_frame, frame], zmq.NOBLOCK)
-        else:
-            self._sock.send(frame, zmq.NOBLOCK)
+    @property
+    def message_limit(self) -> int:
+        """The largest message the daemon takes (its pong says; the protocol's limit until then)."""
+        limit = self.daemon.get("max_message_bytes")
+        return limit if isinstance(limit, int) and 0 < limit <= P.MAX_MESSAGE_BYTES else P.MAX_MESSAGE_BYTES
 
-    def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
-                 system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None,
-                 strict_length: bool = False) -> tuple[str, asyncio.Queue]:
+    # ------------------------------------------------------------------ sending
+    def _frames(self, msg: dict[str, Any]) -> list[bytes]:
+        """The frames of `msg`; MessageTooLarge over the daemon's limit (which it would refuse)."""
+        frame = P.encode(msg)
+        if len(frame) > self.message_limit:
+            reason = self.daemon.get("message_limit_reason")
+            raise MessageTooLarge(f"the request makes a message of {len(frame)} bytes to the engine, over its limit "
+                                  f"of {self.message_limit} bytes{' ' + reason if reason else ''}; send a shorter "
+                                  f"prompt")
+        return [self._key_frame, frame] if self._key_frame is not None else [frame]
+
+    async def _send(self, msg: dict[str, Any], wait_s: float) -> None:
+        """Send `msg`, waiting up to `wait_s` for room in a full queue (then DaemonBusy; nothing sent)."""
+        frames = self._frames(msg)
+        try:
+            await asyncio.wait_for(self._sock.send_multipart(frames), wait_s)
+        except asyncio.TimeoutError:
+            raise DaemonBusy(f"the dsv4 daemon is busy: the queue of messages to it is full ({self.send_hwm} and "
+                             f"more waiting); try again later") from None
+
+    async def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
+                       system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None,
+                       strict_length: bool = False, client: str | None = None) -> tuple[str, asyncio.Queue]:
         """Submit a generate request; its replies (delta..., final, or error) arrive on `queue`
         (a new one unless given: several requests may share one). `strict_length`: the daemon
-        refuses a max_tokens that does not fit in max_model_len after the prompt."""
+        refuses a max_tokens that does not fit in max_model_len after the prompt. `client`: the
+        end client it counts for in the engine's fair shares. Raises DaemonUnavailable,
+        MessageTooLarge or DaemonBusy, with nothing sent."""
         if not self.alive:
             raise DaemonUnavailable("the dsv4 engine is not answering (loading, busy or stopped)")
         rid = self.new_id()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
-        self._queues[rid] = q
-        try:
-            self._send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
-                                  params=params, strict_length=strict_length).to_wire())
-        except Exception:
-            self._queues.pop(rid, None)
-            raise
+        await self._send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
+                                    params=params, strict_length=strict_length, client=client).to_wire(),
+                         self.send_wait_s)
+        self._queues[rid] = q  # no await since the send: no reply can have been missed
         return rid, q
 
     def cancel(self, rid: str) -> None:
-        """Cancel `rid` if it is still running; never raises, never awaits."""
+        """Cancel `rid` if it is still running; never raises, never awaits. The cancel waits in
+        the send queue as long as it is full: it is never dropped."""
         if self._queues.pop(rid, None) is None:
             return
         try:
-            self._send(P.Cancel(self.new_id(), target=rid).to_wire())
+            sent = self._sock.send_multipart(self._frames(P.Cancel(self.new_id(), target=rid).to_wire()))
         except Exception:  # noqa: BLE001  (socket closed at shutdown)
-            pass
+            return
+        sent.add_done_callback(_log_failed_cancel)
 
     def done(self, rid: str) -> None:
         """The request finished: forget its queue."""
@@ -138,9 +176,9 @@ class Bridge:
         fut = asyncio.get_running_loop().create_future()
         self._calls[rid] = fut
         try:
-            self._send(P.Status(rid).to_wire())
+            await self._send(P.Status(rid).to_wire(), timeout_s)
             msg = await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, DaemonBusy):
             raise DaemonUnavailable("the dsv4 engine did not answer 'status'") from None
         finally:
             self._calls.pop(rid, None)
@@ -150,9 +188,13 @@ class Bridge:
     async def _heartbeat(self) -> None:
         while True:
             try:
-                self._send(P.Ping(self.new_id()).to_wire())
+                await self._send(P.Ping(self.new_id()).to_wire(), self.ping_interval_s)
+            except DaemonBusy:
+                log.debug("ping skipped: the send queue is full")  # the next one follows; `alive` tells
             except zmq.ZMQError as e:
                 log.warning("ping failed: %s", e)
+                await asyncio.sleep(self.ping_interval_s)
+                continue
             await asyncio.sleep(self.ping_interval_s)
 
     async def _reader(self) -> None:
@@ -179,3 +221,11 @@ class Bridge:
                 q.put_nowait(msg)
                 if msg["type"] in ("final", "error"):
                     self._queues.pop(rid, None)
+            elif msg["type"] == "error" and rid is None:  # the daemon names the request whenever it can
+                log.warning("the daemon refused a message: %s: %s", msg.get("code"), msg.get("message"))
+
+
+def _log_failed_cancel(sent: "asyncio.Future[Any]") -> None:
+    """Done callback of a cancel's send: a failure is logged, never left unretrieved."""
+    if not sent.cancelled() and sent.exception() is not None:
+        log.warning("a cancel could not be sent: %s", sent.exception())

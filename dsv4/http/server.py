@@ -82,6 +82,8 @@ def model_tokenizer(model_dir: str) -> Any:
 class HttpServer:
     """One uvicorn server on `address`, run in a daemon thread."""
 
+    max_prompts: int | None = None  # --max-prompts-per-request (None: dsv4.http.submit's default)
+
     def __init__(self, address: Address, api_key: str | None) -> None:
         self.address, self.api_key = address, api_key
         self._sock: socket.socket | None = None
@@ -108,7 +110,7 @@ class HttpServer:
 
         assert self._sock is not None, "bind() first"
         api = Api(model_name=model_name, model_path=model_path, max_model_len=max_model_len, tokenizer=tokenizer,
-                  ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key)
+                  ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key, max_prompts=self.max_prompts)
         config = uvicorn.Config(build_app(api), log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=3, ws="none")
         self._server = uvicorn.Server(config)

@@ -1,0 +1,100 @@
+"""The HTTP front end's Bridge over real ZeroMQ sockets, with the test playing the daemon (a
+ROUTER on inproc): a full send queue is `DaemonBusy` with nothing lost, cancels queued behind
+it all arrive once the daemon reads again, and a message over the daemon's limit (from its
+pong) is `MessageTooLarge` before anything is sent (issue 21, item 3)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from dsv4.daemon import protocol as P
+from dsv4.http.bridge import Bridge, DaemonBusy, MessageTooLarge
+
+ENDPOINT = "inproc://test-bridge"
+
+
+def _messages(router: zmq.Socket, wait_ms: int = 0) -> list[dict[str, Any]]:
+    out = []
+    while router.poll(wait_ms):
+        _, frame = router.recv_multipart()
+        out.append(msgpack.unpackb(frame, raw=False))
+        wait_ms = 0
+    return out
+
+
+async def _bridge_with_pong(ctx: zmq.asyncio.Context, router: zmq.Socket, limit: int) -> Bridge:
+    bridge = Bridge(ctx, ENDPOINT, alive_window_s=60, send_hwm=8, send_wait_s=0.3)
+    await bridge.start()
+    for _ in range(200):  # the heartbeat's first ping: answer it as the daemon would
+        if router.poll(0):
+            client, frame = router.recv_multipart()
+            ping = msgpack.unpackb(frame, raw=False)
+            router.send_multipart([client, P.encode(P.pong(ping["id"], max_message_bytes=limit,
+                                                           message_limit_reason="for --max-model-len 64"))])
+            break
+        await asyncio.sleep(0.01)
+    for _ in range(200):
+        if bridge.alive:
+            return bridge
+        await asyncio.sleep(0.01)
+    raise AssertionError("the bridge never saw the pong")
+
+
+def test_full_queue_is_busy_and_no_cancel_is_lost() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        router = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # the daemon: plain blocking calls
+        router.setsockopt(zmq.RCVHWM, 8)
+        router.bind(ENDPOINT)
+        bridge = await _bridge_with_pong(ctx, router, 1 << 20)
+        try:
+            rids = []
+            with pytest.raises(DaemonBusy, match="busy"):
+                for _ in range(1000):  # bounded: the queue holds 8 + 8 (and some in flight)
+                    rid, _ = await bridge.generate("x", {"max_tokens": 1})
+                    rids.append(rid)
+            assert 8 <= len(rids) < 1000
+            for rid in rids:  # the queue is full: each cancel waits in it, none is dropped
+                bridge.cancel(rid)
+            got: list[dict[str, Any]] = []
+            for _ in range(500):  # the daemon reads again
+                got += _messages(router)
+                if sum(m["type"] == "cancel" for m in got) == len(rids):
+                    break
+                await asyncio.sleep(0.01)
+            generated = [m["id"] for m in got if m["type"] == "generate"]
+            cancelled = [m["target"] for m in got if m["type"] == "cancel"]
+            assert sorted(cancelled) == sorted(rids) and set(generated) <= set(rids)
+        finally:
+            await bridge.close()
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(main())
+
+
+def test_a_message_over_the_daemons_limit_is_refused_before_sending() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        router = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)
+        router.bind(ENDPOINT)
+        bridge = await _bridge_with_pong(ctx, router, 1000)
+        try:
+            assert bridge.message_limit == 1000
+            with pytest.raises(MessageTooLarge, match=r"limit of 1000 bytes for --max-model-len 64"):
+                await bridge.generate("y" * 2000, {})
+            rid, _ = await bridge.generate("y" * 100, {})
+            await asyncio.sleep(0.05)
+            assert [m["id"] for m in _messages(router, 1000) if m["type"] == "generate"] == [rid]
+        finally:
+            await bridge.close()
+            router.close(0)
+            ctx.term()
+
+    asyncio.run(main())
