@@ -5,6 +5,12 @@ Both the daemon's socket directory (`dsv4.daemon.paths`) and the compile cache, 
 which compiled code is loaded (`dsv4.engine.compiled`), must be directories of ours that
 no other user can write to or repoint. The check lives here, below both, so that the
 engine does not import the daemon.
+
+A private directory is only as safe as the directories above it: another user who can
+write to an ancestor can rename it away and put their own in its place after the check.
+`check_trusted_chain` walks the path down from `/` by descriptor (each directory opened
+with O_NOFOLLOW relative to the one above, then `fstat`-ed: nothing can be swapped between
+two steps) and refuses any directory that a user other than root and us could change.
 """
 
 from __future__ import annotations
@@ -56,3 +62,32 @@ def check_private_dir(d: Path, *, create: bool, what: str, hint: str) -> bool:
         raise UnsafePathError(f"{what} {d} has mode {mode:04o}, open to other users (need 0700); "
                               f"{hint} (or chmod 700 it if it is yours to share with nobody)")
     return True
+
+
+def check_trusted_chain(d: Path, *, what: str, hint: str) -> None:
+    """Refuse `d` unless `/` and every directory down to `d` (its resolved path, `d`
+    included) can be changed by nobody but root and us: each owned by root or the current
+    user, and not writable by group or others unless sticky (as /tmp: there only an
+    entry's owner may rename it, and the next step checks that owner). `d` must exist."""
+    real = Path(os.path.realpath(d))
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        here = Path("/")
+        for part in [*real.parts[1:], None]:
+            st = os.fstat(fd)
+            if st.st_uid not in (0, os.getuid()):
+                raise UnsafePathError(f"{what} {d}: {here} above it belongs to uid {st.st_uid}, who could replace "
+                                      f"what is below; {hint}")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise UnsafePathError(f"{what} {d}: {here} above it has mode {stat.S_IMODE(st.st_mode):04o}, "
+                                      f"writable by other users, who could replace what is below; {hint}")
+            if part is None:
+                return
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as e:
+                raise PathError(f"cannot inspect the {what} {d}: {here / part}: {e.strerror}") from None
+            os.close(fd)
+            fd, here = nfd, here / part
+    finally:
+        os.close(fd)

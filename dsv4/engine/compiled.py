@@ -20,7 +20,11 @@ Inductor's on-disk cache holds compiled code that this process loads and runs, s
 must not live in a directory another user can write (its default is
 `/tmp/torchinductor_$USER`): `private_cache_dir()` points `TORCHINDUCTOR_CACHE_DIR`
 (and `TRITON_CACHE_DIR`) at `$XDG_CACHE_HOME/dsv4/inductor` (else
-`~/.cache/dsv4/inductor`), created 0700 and refused unless it is ours and private.
+`~/.cache/dsv4/inductor`), created 0700 and refused unless it is ours and private, and
+unless no other user can change any directory above it (`check_trusted_chain`, walked by
+descriptor: otherwise they could swap the checked directory for theirs afterwards). The
+check runs again before every bucket's compile (`recheck_cache_dir`): a failure there stops
+the capture and leaves the remaining buckets eager.
 A second startup finds its compiled buckets there and captures much faster.
 
 `capture(progress=...)` reports (buckets done, buckets) as it goes (the CLI's progress
@@ -44,7 +48,7 @@ from ..model.attention import ROW_MIN
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
 from ..model.static_step import StaticStep
-from ..private_paths import PathError, check_private_dir
+from ..private_paths import PathError, check_private_dir, check_trusted_chain
 
 log = logging.getLogger("dsv4.compile")
 
@@ -110,6 +114,7 @@ def private_cache_dir() -> Path:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         for p in (d.parent, d):
             check_private_dir(p, create=True, what="compile cache", hint="remove it or set XDG_CACHE_HOME")
+        check_trusted_chain(d, what="compile cache", hint="set XDG_CACHE_HOME to a directory only you control")
     except OSError as e:
         raise CompileUnavailable(f"cannot create the compile cache {root}: {e.strerror}") from None
     except PathError as e:
@@ -117,6 +122,19 @@ def private_cache_dir() -> Path:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(d)
     os.environ["TRITON_CACHE_DIR"] = str(d / "triton")
     return d
+
+
+def recheck_cache_dir(d: Path) -> None:
+    """Repeat `private_cache_dir`'s checks on `d`, which it returned (without creating
+    anything); `CompileUnavailable` when `d`, or a directory above it, is no longer safe."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") != str(d):
+        raise CompileUnavailable(f"TORCHINDUCTOR_CACHE_DIR was changed from the checked compile cache {d}")
+    try:
+        for p in (d.parent, d):
+            check_private_dir(p, create=False, what="compile cache", hint="remove it or set XDG_CACHE_HOME")
+        check_trusted_chain(d, what="compile cache", hint="set XDG_CACHE_HOME to a directory only you control")
+    except PathError as e:
+        raise CompileUnavailable(str(e)) from None
 
 
 def check_backend(device: torch.device) -> None:
@@ -150,7 +168,8 @@ class CompiledSteps:
     """Compiled main/MTP decode dispatches by bucket over `state` (its last slot is scratch)."""
 
     def __init__(self, model: DeepseekV4, state: ModelState, max_tokens: int, with_mtp: bool = True,
-                 mode: str | None = None):
+                 mode: str | None = None, cache_dir: Path | None = None):
+        self.cache_dir = cache_dir  # from private_cache_dir(): checked again before each bucket's compile
         self.model, self.state, self.device = model, state, model.embed.weight.device
         self.static = StaticStep(model, state)
         self.scratch = state.max_slots - 1
@@ -190,6 +209,13 @@ class CompiledSteps:
         if progress is not None:
             progress(0, len(todo))
         for i, (kind, fn, n) in enumerate(todo, 1):
+            try:  # the compile writes code there that this process then loads
+                if self.cache_dir is not None:
+                    recheck_cache_dir(self.cache_dir)
+            except CompileUnavailable as e:
+                self.failed.append(f"{e}: the capture stopped; {len(todo) - i + 1} bucket(s) run eager")
+                log.warning(self.failed[-1])
+                break
             ids, pos, slots = self._padded(None, n)
             try:
                 with self._compiler_settings(), quiet_capture():

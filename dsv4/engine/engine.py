@@ -153,7 +153,8 @@ class Engine:
             log.warning("--compile: %s; running eager", e)
             return f"compile: off ({e})"
         K = c.num_speculative_tokens
-        steps = CompiledSteps(self.model, self.runner.state, c.max_num_seqs * (1 + K), with_mtp=K > 0)
+        steps = CompiledSteps(self.model, self.runner.state, c.max_num_seqs * (1 + K), with_mtp=K > 0,
+                              cache_dir=cache)
         secs = steps.capture(progress=progress)
         ok = sorted({n for (_, n), r in steps.ready.items() if r})
         if ok:

@@ -13,7 +13,9 @@
   tolerance.
 * Bad input: no C++ compiler (`CXX=/nonexistent`) gives one warning line and eager output.
 * The compile cache is private: created 0700 under $XDG_CACHE_HOME/dsv4/inductor, and a
-  directory another user could write is refused (eager, with the reason).
+  directory another user could write is refused (eager, with the reason), and so is one
+  below a directory another user could write (they could swap it after the check); the
+  check runs again before each bucket's compile, and a failure stops the capture.
 
 Compiling is the slow part (tens of seconds a bucket on a small CPU): the model is as
 small as still covers a hash layer, a CSA layer with its indexer and the MTP block, and
@@ -31,7 +33,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.compiled import CompileUnavailable, buckets, check_backend, private_cache_dir
+from dsv4.engine.compiled import (CompileUnavailable, buckets, check_backend, private_cache_dir,
+                                  recheck_cache_dir)
 from tests.checkpoints import write_tiny_checkpoint
 from tests.e2e.util import dsv4, env_for
 
@@ -124,6 +127,36 @@ def test_cache_dir_private(tmp_path, monkeypatch):
     d.symlink_to(tmp_path / "elsewhere")
     with pytest.raises(CompileUnavailable, match="is a symlink"):
         private_cache_dir()
+
+
+def test_cache_dir_below_a_shared_directory_refused_and_rechecked(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could rename our private directory away and put theirs in its place
+    monkeypatch.setenv("XDG_CACHE_HOME", str(shared / "c"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    with pytest.raises(CompileUnavailable, match=rf"^compile cache {shared}/c/dsv4/inductor: {shared} above it has "
+                                                 r"mode 0777, writable by other users"):
+        private_cache_dir()
+    shared.chmod(0o1777)  # sticky, as /tmp: only an entry's owner may rename it
+    d = private_cache_dir()
+    recheck_cache_dir(d)
+    shared.chmod(0o777)  # after the start: the check before the next bucket's compile sees it
+    with pytest.raises(CompileUnavailable, match="writable by other users"):
+        recheck_cache_dir(d)
+    shared.chmod(0o700)
+    d.rename(d.parent / "moved")  # a swapped directory: the checked one gone, another in its place
+    d.symlink_to(d.parent / "moved")
+    with pytest.raises(CompileUnavailable, match="is a symlink"):
+        recheck_cache_dir(d)
+    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.model.model import DeepseekV4, init_random
+    from tests.model.tiny import tiny_config
+
+    model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
+    steps = CompiledSteps(model, model.new_state(3, 64, max_chunk=8, max_spec=2), 4, with_mtp=False, cache_dir=d)
+    steps.capture()  # refused before the first compile: nothing is compiled, every bucket eager
+    assert steps.ready == {} and len(steps.failed) == 1 and "the capture stopped; 3 bucket(s) run eager" in steps.failed[0]
 
 
 def test_unsafe_cache_dir_runs_eager(ckpt, tmp_path, monkeypatch):
