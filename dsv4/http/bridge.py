@@ -148,10 +148,17 @@ class Bridge:
             raise DaemonUnavailable("the dsv4 engine is not answering (loading, busy or stopped)")
         rid = self.new_id()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
-        await self._send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
-                                    params=params, strict_length=strict_length, client=client).to_wire(),
-                         self.send_wait_s)
-        self._queues[rid] = q  # no await since the send: no reply can have been missed
+        msg = P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking, params=params,
+                         strict_length=strict_length, client=client).to_wire()
+        self._queues[rid] = q  # before the send: a reply may come before this task resumes
+        try:
+            await self._send(msg, self.send_wait_s)
+        except asyncio.CancelledError:  # it may have gone out just as this task was cancelled: cancel it too
+            self.cancel(rid)
+            raise
+        except BaseException:  # refused or timed out: not sent
+            self._queues.pop(rid, None)
+            raise
         return rid, q
 
     def cancel(self, rid: str) -> None:
