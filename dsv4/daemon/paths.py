@@ -8,7 +8,9 @@
   `check_endpoint` says so, with the length, before anything binds or connects.
 * Pid file: `<socket path>.pid`, held with an exclusive `flock` for the daemon's life.
   A lock that can be taken means no daemon: any socket or pid file left is stale.
-* Log file (`serve --detach`): `$XDG_STATE_HOME/dsv4/dsv4.log`, else `~/.local/state/dsv4/dsv4.log`.
+* Log file (`serve --detach`): `$XDG_STATE_HOME/dsv4/dsv4.log`, else `~/.local/state/dsv4/dsv4.log`;
+  its directory is checked as the socket directory is (`open_log`), and the file is opened
+  O_NONBLOCK (a FIFO planted there cannot hang `serve --detach`) and refused unless regular.
 
 Trust (both sides, before binding and before connecting): the socket directory -- the
 default one, or the parent of an explicit `ipc://` path -- must not be a symlink
@@ -131,6 +133,8 @@ def open_private(path: Path, flags: int) -> int:
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise UnsafePathError(f"{path} is a symlink; {HINT}") from None
+        if e.errno == errno.ENXIO:  # O_NONBLOCK write-open of a FIFO nobody reads
+            raise UnsafePathError(f"{path} is not a regular file of yours (a FIFO); {HINT}") from None
         raise PathError(f"cannot open {path}: {e.strerror}") from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
@@ -138,6 +142,18 @@ def open_private(path: Path, flags: int) -> int:
         raise UnsafePathError(f"{path} is not a regular file of yours; {HINT}")
     if stat.S_IMODE(st.st_mode) & 0o077:
         os.fchmod(fd, 0o600)  # our own file, say from an older version: make it private
+    return fd
+
+
+def open_log(path: Path) -> int:
+    """The detached daemon's log `path` opened for appending: its directory checked (and
+    created 0700) as the socket directory is, the file opened O_NONBLOCK (a FIFO there cannot
+    hang the open) and O_NOFOLLOW, refused unless a regular file of ours; blocking again once
+    checked (it becomes the daemon's stdout and stderr)."""
+    check_private_dir(path.parent, create=True, what="log directory",
+                      hint="remove it, or set XDG_STATE_HOME to a private place")
+    fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return fd
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Collection
 
 from dsv4 import __version__
-from dsv4.daemon.paths import PidLock, daemon_pid, log_file, open_private, pid_file, read_pid, remove_stale
+from dsv4.daemon.paths import PidLock, daemon_pid, log_file, open_log, pid_file, read_pid, remove_stale
 
 log = logging.getLogger("dsv4.daemon")
 
@@ -277,8 +277,7 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
     from dsv4.daemon.client import Client, DaemonUnreachable
 
     logf = log_file()
-    logf.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = open_private(logf, os.O_WRONLY | os.O_APPEND)
+    fd = open_log(logf)  # its directory checked; a FIFO or symlink there refused, never waited on
     start = os.fstat(fd).st_size  # where this daemon's lines begin
     env = dict(os.environ)
     if api_key:

@@ -168,6 +168,7 @@ def test_log_file_planted_as_a_symlink_is_refused(base: Path) -> None:
     victim.write_text("precious\n")
     state = base / "state"
     (state / "dsv4").mkdir(parents=True)
+    (state / "dsv4").chmod(0o700)  # a private log directory: the planted file is what is refused
     (state / "dsv4" / "dsv4.log").symlink_to(victim)
     env = {**os.environ, "XDG_STATE_HOME": str(state), "OMP_NUM_THREADS": "1"}
     r = subprocess.run([*CMD, "serve", "--detach", "--socket", f"ipc://{base}/d.sock"], env=env,
