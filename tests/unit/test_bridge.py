@@ -1,7 +1,8 @@
 """The HTTP front end's Bridge over real ZeroMQ sockets, with the test playing the daemon (a
 ROUTER on inproc): a full send queue is `DaemonBusy` with nothing lost, cancels queued behind
 it all arrive once the daemon reads again, and a message over the daemon's limit (from its
-pong) is `MessageTooLarge` before anything is sent (issue 21, item 3)."""
+pong) is `MessageTooLarge` before anything is sent (issue 21, item 3); and the client an HTTP
+request counts for in the engine's fair shares (item 4)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,14 @@ def test_a_message_over_the_daemons_limit_is_refused_before_sending() -> None:
             ctx.term()
 
     asyncio.run(main())
+
+
+def test_the_client_a_request_counts_for() -> None:
+    from starlette.requests import Request
+
+    from dsv4.http.submit import client_of
+
+    req = Request({"type": "http", "method": "POST", "path": "/", "headers": [], "client": ("10.1.2.3", 4567)})
+    assert client_of(req, {"user": "alice"}) == "user:alice"
+    assert client_of(req, {"user": ""}) == client_of(req, {"user": 5}) == client_of(req, {}) == "peer:10.1.2.3"
+    assert len(client_of(req, {"user": "u" * 10_000})) < P.MAX_CLIENT_LEN  # fits the protocol's field
