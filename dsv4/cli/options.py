@@ -137,7 +137,7 @@ Profile = Annotated[Optional[Path], typer.Option(
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(1),
     help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
-         "[default: $OMP_NUM_THREADS, else the CPUs this process may use, at most 16]")]
+         "[default: $OMP_NUM_THREADS, else one fewer than the CPUs this process may use, 1 to 16]")]
 Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
