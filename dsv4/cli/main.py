@@ -106,7 +106,7 @@ def serve(
     if max_prompts_per_request is not None and http is None:
         raise CliError("--max-prompts-per-request needs --http", O.EXIT_USAGE)
     if detach:
-        from dsv4.daemon.process import engine_settings, report_running, spawn_detached
+        from dsv4.daemon.process import AlreadyRunning, engine_settings, report_running, spawn_detached
 
         if paths.daemon_pid(endpoint) is not None:
             same, line = report_running(endpoint, engine_settings(config, set(kw)), api_key)
@@ -122,6 +122,9 @@ def serve(
                                        api_key=api_key)
         except TimeoutError as e:
             raise CliError(str(e), O.EXIT_TIMEOUT) from None
+        except AlreadyRunning as e:  # another serve won the race with the same settings
+            O.err(str(e))
+            raise typer.Exit(O.EXIT_OK) from None
         except RuntimeError as e:
             raise CliError(str(e)) from None
         url = f", OpenAI API at http://{http_server.address}/v1" if http_server is not None else ""

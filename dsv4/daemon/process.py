@@ -50,20 +50,41 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+STARTING_WAIT_S = 600.0  # how long a second `serve` waits for a daemon still loading to answer
+
+
 def report_running(endpoint: str, settings: dict[str, Any] | None = None,
-                   api_key: str | None = None) -> tuple[bool, str]:
+                   api_key: str | None = None, wait_s: float = STARTING_WAIT_S) -> tuple[bool, str]:
     """(same settings, one line) about the daemon that holds the lock of `endpoint`.
 
-    With `settings` (`EngineConfig.settings()` of the daemon asked for), the running
-    daemon's own settings are compared and the differences named."""
+    A daemon still starting (loading the model) is waited for, up to `wait_s`, so that
+    concurrent `serve`s on one endpoint all report the one that won (exit 0) instead of
+    failing; one that exits before answering is reported as such. With `settings`
+    (`EngineConfig.settings()` of the daemon asked for), the running daemon's own
+    settings are compared and the differences named."""
     from dsv4.daemon.client import Client, DaemonError, DaemonUnreachable
 
     pid = read_pid(pid_file(endpoint))
-    with Client(endpoint, api_key=api_key) as c:
-        try:
-            pong = c.connect(timeout_s=2.0)
-        except (DaemonUnreachable, DaemonError):
-            return settings is None, f"dsv4 daemon already starting (pid {pid}) on {endpoint}"
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        with Client(endpoint, api_key=api_key) as c:
+            try:
+                pong = c.connect(timeout_s=2.0)
+                break
+            except DaemonError:
+                return settings is None, f"dsv4 daemon already starting (pid {pid}) on {endpoint}"
+            except DaemonUnreachable:
+                pass
+        if daemon_pid(endpoint) is None:
+            return False, (f"the dsv4 daemon (pid {pid}) that was starting on {endpoint} exited before answering; "
+                           f"see its log, or start it again")
+        if time.monotonic() >= deadline:
+            return settings is None, (f"dsv4 daemon already starting (pid {pid}) on {endpoint}; it did not answer "
+                                      f"within {wait_s:g} s")
+        if not told:
+            print(f"dsv4 daemon already starting (pid {pid}) on {endpoint}: waiting for it to answer", file=sys.stderr)
+            told = True
+        time.sleep(0.2)
     line = f"dsv4 daemon already running (pid {pong.get('pid', pid)}, model {pong.get('model')}) on {endpoint}"
     running = pong.get("settings")
     if settings is None or not isinstance(running, dict):
@@ -290,6 +311,8 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
     deadline = time.monotonic() + timeout_s
     while True:
         rc = proc.poll()
+        if rc == EXIT_OK:  # it found a daemon that won the race with the same settings: report that one
+            raise AlreadyRunning(startup_report(logf, start) or f"dsv4 daemon already running on {endpoint}")
         if rc is not None:
             why = startup_error(logf, start)
             raise RuntimeError(f"the daemon did not start: {why} (log: {logf})" if why else
@@ -304,6 +327,21 @@ def spawn_detached(argv: list[str], endpoint: str, *, timeout_s: float = 600.0,
         if time.monotonic() > deadline:
             raise TimeoutError(f"the daemon (pid {proc.pid}) did not answer within {timeout_s:g} s; see {logf}")
         time.sleep(0.1)
+
+
+class AlreadyRunning(RuntimeError):
+    """`serve --detach` found, through its child, a daemon already running with the same settings (exit 0)."""
+
+
+def startup_report(logf: Path, start: int) -> str | None:
+    """The last 'dsv4 daemon already running ...' line in the log from byte `start` on."""
+    try:
+        with open(logf, "rb") as f:
+            f.seek(start)
+            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    return next((line for line in reversed(lines) if line.startswith("dsv4 daemon already running")), None)
 
 
 def startup_error(logf: Path, start: int) -> str | None:

@@ -132,3 +132,30 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_concurrent_detached_serves_start_one_daemon_and_both_exit_0(tiny_model: Path) -> None:
+    """Two `serve --detach` at once on one socket (issue 21): one daemon starts, the other
+    waits for it while it loads (no 'exit 1' for a daemon still starting) and reports it."""
+    import subprocess
+
+    from tests.e2e.util import CMD
+
+    d = short_dir()
+    ep = f"ipc://{d}/d.sock"
+    env = env_for(XDG_STATE_HOME=str(d / "state"))
+    try:
+        procs = [subprocess.Popen([*CMD, "serve", "--detach", "--model", str(tiny_model), "--socket", ep],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for _ in range(2)]
+        outs = [p.communicate(timeout=180) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
+        started = [o for o, _ in outs if o.startswith("dsv4 daemon started: pid ")]
+        assert len(started) == 1, outs
+        pid = int(re.search(r"pid (\d+)", started[0]).group(1))
+        reports = [e for o, e in outs if not o]
+        assert len(reports) == 1 and all(f"dsv4 daemon already running (pid {pid}" in e for e in reports), outs
+        assert status(ep)["pid"] == pid
+    finally:
+        dsv4("stop", endpoint=ep)
+        shutil.rmtree(d, ignore_errors=True)
