@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One command: set up the virtual environment (CPU torch, test extras) and run the whole suite.
-#   ./test.sh                 the suite, then its exactness tier (`-m exact`) under the CPU
-#                             kernels of other machines: ATEN_CPU_CAPABILITY=avx2 (with MKL
-#                             held to AVX2, as on an AMD EPYC) and =default (no SIMD), so a
-#                             promise that holds only on this CPU's kernels fails here too
+#   ./test.sh                 every test, in three pytest runs side by side (below)
 #   ./test.sh [pytest args]   just pytest with those arguments
-# The tier runs single-threaded beside the suite (which leaves about a core idle while it
-# waits on its subprocesses); its report follows the suite's.
+#
+# The three runs: tests/e2e (mostly waiting on the dsv4 processes it starts), tests/unit +
+# tests/model (arithmetic), and the exactness tier (`-m exact`: chunked = whole, MTP on =
+# off, seeded output, T = 2 = T = 1, ...) again under the CPU kernels of other machines:
+# ATEN_CPU_CAPABILITY=avx2 with MKL held to AVX2 (as on an AMD EPYC) and =default (no SIMD),
+# so a promise that holds only on this CPU's kernels fails here too. Each run writes its
+# own log, shown in full when it ends; the exit status is non-zero if any run failed.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/venv.sh test >&2
@@ -15,28 +17,51 @@ if [ "$#" -gt 0 ]; then
   exec "$py" -m pytest "$@"
 fi
 
-tier_log="$(mktemp -t dsv4-tier.XXXXXX)"
-trap 'rm -f "$tier_log"' EXIT
-(
-  set +e
-  status=0
+logs="$(mktemp -d -t dsv4-test.XXXXXX)"
+trap 'rm -rf "$logs"' EXIT
+start=$SECONDS
+
+tier() {
+  local status=0 cap mkl
   for cap in avx2 default; do
     mkl=AVX2
     [ "$cap" = default ] && mkl=SSE4_2
     echo "== the exactness tier under ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl"
     ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl OMP_NUM_THREADS=1 \
-      "$py" -m pytest -m exact -p no:cacheprovider -q || status=1
+      "$py" -m pytest -p no:cacheprovider -m exact || status=1
   done
-  exit $status
-) >"$tier_log" 2>&1 &
-tier=$!
+  return $status
+}
 
-suite=0
-"$py" -m pytest || suite=$?
-tier_status=0
-wait "$tier" || tier_status=$?
-cat "$tier_log"
-if [ "$suite" -ne 0 ] || [ "$tier_status" -ne 0 ]; then
-  echo "test.sh: the suite exited $suite, the exactness tier $tier_status" >&2
+"$py" -m pytest -p no:cacheprovider tests/e2e >"$logs/e2e" 2>&1 &
+e2e=$!
+"$py" -m pytest -p no:cacheprovider tests/unit tests/model >"$logs/model" 2>&1 &
+model=$!
+tier >"$logs/tier" 2>&1 &
+exact=$!
+
+failed=()
+summary=()
+for run in model e2e exact; do
+  pid=${!run}
+  status=0
+  wait "$pid" || status=$?
+  summary+=("== $run: exit $status, done after $((SECONDS - start)) s")
+  [ "$status" -eq 0 ] || failed+=("$run")
+done
+for log in model e2e tier; do
+  echo "================================ $log"
+  cat "$logs/$log"
+done
+printf '%s\n' "${summary[@]}"
+echo "== the whole suite took $((SECONDS - start)) s"
+# pytest's closing lines of the four runs, added up
+count() {
+  grep -hE '^(=+ )?[0-9]+ (passed|failed|skipped)' "$logs/model" "$logs/e2e" "$logs/tier" |
+    grep -oE "[0-9]+ $1" | awk '{s += $1} END {print s + 0}'
+}
+echo "all: $(count passed) passed, $(count failed) failed, $(count skipped) skipped"
+if [ "${#failed[@]}" -ne 0 ]; then
+  echo "test.sh: failed: ${failed[*]}" >&2
   exit 1
 fi
