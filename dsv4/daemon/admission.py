@@ -113,7 +113,8 @@ class Admission:
         limit = P.MAX_MESSAGE_BYTES if self.max_frame_bytes is None else min(self.max_frame_bytes, P.MAX_MESSAGE_BYTES)
         return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.model_name,
                       endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready",
-                      max_message_bytes=limit, message_limit_reason=self.frame_limit_reason)
+                      max_message_bytes=limit, message_limit_reason=self.frame_limit_reason,
+                      ranks=list(getattr(getattr(self.engine, "ranks", None), "pids", None) or []))
 
     def _early_pong(self, client: bytes, body: list[bytes]) -> bool:
         """On the watch thread, during a step: answer a ping with the right key at once (True).
@@ -127,8 +128,12 @@ class Admission:
             return False
         if not isinstance(req, P.Ping) or self._sock is None:
             return False
+        pong = self._pong(req.id)
+        step_s = self._watch.step_seconds() if self._watch is not None else None
+        if step_s is not None:  # how long the step in progress has run: a client told nothing else sees a stuck one
+            pong["step_s"] = round(step_s, 1)
         try:
-            self._sock.send_multipart([client, P.encode(self._pong(req.id))], zmq.NOBLOCK)
+            self._sock.send_multipart([client, P.encode(pong)], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False  # the loop answers it after the step (or finds the client gone)
         return True

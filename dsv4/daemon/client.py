@@ -156,15 +156,36 @@ class Client:
         except DaemonTimeout:
             pid = daemon_pid(self.endpoint)
             if pid is not None and pid > 0:
+                stopped = stopped_ranks(spawned_ranks(pid))
+                why = (f"a tensor-parallel rank is not answering ({stopped})" if stopped else
+                       "it is stuck (its socket is bound: the model is loaded)" if path is not None else
+                       "is it still loading the model?")
                 raise DaemonUnreachable(f"the dsv4 daemon (pid {pid}) does not answer on {self.endpoint} "
-                                        f"within {timeout_s:g} s; is it still loading the model?") from None
+                                        f"within {timeout_s:g} s; {why}") from None
             raise DaemonUnreachable(NOT_RUNNING if path is not None else
                                     f"no dsv4 daemon answers on {self.endpoint}; start it with "
                                     f"'dsv4 serve --detach --socket {self.endpoint}'") from None
         return self.daemon
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        return dict(self.call(P.Status(new_id()), timeout_s).get("status") or {})
+        """The daemon's status; `DaemonTimeout` saying why when it is stuck in a step (a pong
+        answered mid-step gives the step's age and the daemon's tensor-parallel ranks)."""
+        try:
+            return dict(self.call(P.Status(new_id()), timeout_s).get("status") or {})
+        except DaemonTimeout as e:
+            try:
+                pong = self.call(P.Ping(new_id()), PING_TIMEOUT_S)
+            except (DaemonTimeout, DaemonError):
+                raise e from None
+            if pong.get("step_s") is None:
+                raise
+            line = (f"the dsv4 daemon (pid {pong.get('pid')}) did not answer 'status' within {timeout_s:g} s: "
+                    f"its engine step has run for {pong['step_s']:g} s")
+            ranks = [r for r in pong.get("ranks") or [] if isinstance(r, int)]
+            if ranks:
+                stopped = stopped_ranks(ranks)
+                line += f"; a tensor-parallel rank is not answering{f' ({stopped})' if stopped else ''}"
+            raise DaemonTimeout(line) from None
 
     def shutdown(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.call(P.Shutdown(new_id()), timeout_s)
@@ -253,3 +274,44 @@ def _alive(pid: int) -> bool:
             return False
         except PermissionError:
             return True
+
+
+def spawned_ranks(pid: int) -> list[int]:
+    """The pids of `pid`'s tensor-parallel ranks on this host (its `multiprocessing` spawn
+    children, read from /proc; empty elsewhere)."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+            if ppid != pid:
+                continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if b"multiprocessing.spawn" in f.read():
+                    found.append(int(name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
+
+
+def stopped_ranks(pids: list[int]) -> str:
+    """'rank process N is stopped' for those of `pids` that are stopped (SIGSTOP) or traced; '' if none."""
+    stopped = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state in (b"T", b"t"):
+            stopped.append(pid)
+    if not stopped:
+        return ""
+    return f"rank process{'es' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))} " \
+           f"{'are' if len(stopped) > 1 else 'is'} stopped"

@@ -83,6 +83,11 @@ class StepWatch:
             self._since = None
             self._lock.acquire()  # waits at most POLL_MS for a watch that holds the socket
 
+    def step_seconds(self) -> float | None:
+        """How long the step in progress has run (None between steps); any thread may ask."""
+        since = self._since
+        return None if since is None else time.monotonic() - since
+
     def take_held(self) -> list[Held]:
         """The messages received during the last step, oldest first (loop thread, after the step)."""
         held, self._held, self._held_bytes = self._held, [], 0
