@@ -275,15 +275,17 @@ def default_threads() -> int:
     affinity mask, so a container's or taskset's limit counts), at least 1 and at most
     MAX_DEFAULT_THREADS.
 
-    Why one fewer: an OpenMP team is only as fast as its slowest thread, at every one of the
-    hundreds of parallel regions of a step, and its idle threads spin (libgomp: 300,000 turns;
-    Intel's runtime: 200 ms) rather than sleep. A team with a thread on every core therefore
-    shares one with anything else that runs (another tenant, the daemon's own I/O and HTTP
-    threads), waits a scheduler time slice at each region, and collapses: on 2 cores beside one
-    busy loop, 2 threads decoded 2-5 tok/s where 1 thread decoded 60-140 (BENCHMARKS.md,
-    benchmarks/busy_threads.py). A team one core short of the machine leaves that core to the
-    rest. On 2 cores the default is 1 thread: 0.85x the decode rate of 2 on an idle machine.
-    One decode step of a small batch gains little from more than MAX_DEFAULT_THREADS."""
+    Why one fewer: an OpenMP team meets at the end of each of the hundreds of parallel regions
+    of a step, and its threads wait there by spinning (libgomp, torch's runtime on x86 Linux:
+    300,000 turns before they sleep; Intel's: 200 ms). A spinning thread that shares its core
+    with other work (another tenant, the daemon's own I/O and HTTP threads) gets that core only
+    for its fair slices, so every region waits for a slice: on 2 cores beside one busy loop,
+    2 threads decoded a median 7 tok/s where 1 thread decoded 99, and loaded the weights 2x
+    slower (benchmarks/busy_threads.py, BENCHMARKS.md). A team one core short of the machine
+    leaves that core to the rest. On 2 cores that is 1 thread: 0.88x the decode rate of 2 on
+    an idle machine. OMP_WAIT_POLICY=PASSIVE (threads sleep at once) also ends the collapse, but
+    costs 0.4-0.65x on an idle machine, so dsv4 leaves it to the user. One decode step of a
+    small batch gains little from more than MAX_DEFAULT_THREADS."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
