@@ -127,36 +127,30 @@ def measure(arm: tuple[int | None, dict[str, str]], tokens: int, timeout_s: floa
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-FIELDS = (("tok_s", "decode tok/s", True), ("prefill_tok_s", f"prefill tok/s ({PREFILL})", True),
-          ("load_s", "load s", False))
+FIELDS = (("tok_s", "decode tok/s", "{:.0f}"), ("prefill_tok_s", f"prefill tok/s ({PREFILL} tokens)", "{:.0f}"),
+          ("load_s", "load s", "{:.2f}"))
 
 
 def report(names: list[str], runs: dict[tuple[str, str], list[dict]], rounds: int, tokens: int) -> str:
-    """Medians per arm and condition, and ratios: against the first arm in the same condition
-    (>1 = better), and loaded against quiet for the same arm (the collapse)."""
-    med = {k: {f: statistics.median(m[f] for m in v) for f, _, _ in FIELDS} for k, v in runs.items()}
+    """Medians per arm and condition, and the ratio to the first arm in the same condition
+    (> 1 = faster; for the load time, its inverse)."""
+    med = {k: {f: statistics.median(m[f] for m in v) for f in (*(f for f, _, _ in FIELDS), "cpu_per_wall")}
+           for k, v in runs.items()}
     ref = names[0]
-    lines = [f"\nmedians of {rounds} interleaved rounds; decode: {tokens} greedy tokens, batch 1, K = 0; "
-             f"speed-ups against `{ref}` in the same condition (>1 = better)\n"]
     head = ["arm", "threads"]
     for _, label, _ in FIELDS:
-        head += [f"{label} quiet", f"{label} loaded", "loaded / quiet"]
-    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        head += [f"{label} quiet / loaded", f"vs {ref}"]
+    head.append("CPU s per wall s, quiet decode")
+    lines = [f"\nmedians of {rounds} interleaved rounds (decode: {tokens} greedy tokens, batch 1, K = 0)\n",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         q, l = med[(name, "quiet")], med[(name, "loaded")]
+        rq, rl = med[(ref, "quiet")], med[(ref, "loaded")]
         row = [name, str(runs[(name, "quiet")][0]["threads"])]
-        for f, _, higher in FIELDS:
-            fmt = "{:.2f}" if f == "load_s" else "{:.1f}" if f == "tok_s" else "{:.0f}"
-            row += [fmt.format(q[f]), fmt.format(l[f]), f"{(l[f] / q[f] if higher else q[f] / l[f]):.2f}"]
-        lines.append("| " + " | ".join(row) + " |")
-    lines += ["", f"| arm | decode quiet vs {ref} | decode loaded vs {ref} | prefill quiet vs {ref} "
-                  f"| prefill loaded vs {ref} | load quiet vs {ref} | load loaded vs {ref} |", "|---|---|---|---|---|---|---|"]
-    for name in names:
-        row = [name]
-        for f, _, higher in FIELDS:
-            for cond in ("quiet", "loaded"):
-                x, y = med[(name, cond)][f], med[(ref, cond)][f]
-                row.append(f"{(x / y if higher else y / x):.2f}x")
+        for f, _, fmt in FIELDS:
+            ratio = (lambda x, y: y / x) if f == "load_s" else (lambda x, y: x / y)
+            row += [f"{fmt.format(q[f])} / {fmt.format(l[f])}", f"{ratio(q[f], rq[f]):.2f}x / {ratio(l[f], rl[f]):.2f}x"]
+        row.append(f"{q['cpu_per_wall']:.2f}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
