@@ -7,10 +7,12 @@
 * `ConnectionGuard`: counts the ROUTER's open connections with a ZeroMQ socket monitor.
   libzmq aborts the whole process when accepting an ipc connection fails for lack of
   descriptors (EMFILE), so the daemon never lets it get there: at `limit` open
-  connections it unbinds the endpoint (every connection of that listener is dropped,
-  new ones are refused) and binds again after a pause. `connection_limit()` derives the
-  limit from the descriptor limit, keeping headroom for the accepts that land before
-  the loop sees the monitor's events.
+  connections (or below 3/4 of the headroom of free descriptors, whatever holds them:
+  HTTP connections too) it unbinds the endpoint (every connection of that listener is
+  dropped, new ones are refused) and binds again after a pause. Its own thread reads the
+  monitor, so it reacts to accepts at once, also while the engine steps. `connection_limit()`
+  derives the limit from the descriptor limit, keeping headroom for the accepts that land
+  before the unbind, and the HTTP front end's share.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import logging
 import os
 import queue
 import resource
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -31,6 +34,7 @@ log = logging.getLogger("dsv4.daemon")
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller text prompts are tokenized on the loop (cheaper than a hand-off)
 MAX_CONNECTIONS = 4096
 REBIND_PAUSE_S = 1.0
+CHECK_EVERY = 8  # monitor events between two looks at the free descriptors
 
 
 class Intake:
@@ -71,57 +75,153 @@ def open_descriptors() -> int:
         return 64  # no /proc: a typical count for a loaded engine
 
 
-def connection_limit(maximum: int = MAX_CONNECTIONS) -> int:
-    """Open connections allowed: the free descriptors minus headroom (max(64, limit / 8)), at most `maximum`."""
+def free_descriptors() -> int | None:
+    """Descriptors this process may still open (None: no limit)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft - open_descriptors()
+
+
+def headroom(soft: int) -> int:
+    """Descriptors kept free of connections: files, ZeroMQ's own, and the accepts that land
+    before the guard reacts (libzmq accepts faster than Python reads its events: a flood of
+    2,000 local connects brought the last free descriptor within 5 of the limit at 64)."""
+    return max(128, soft // 8)
+
+
+def connection_limit(maximum: int = MAX_CONNECTIONS, reserved: int = 0) -> int:
+    """Open connections allowed: the free descriptors minus `headroom` and minus `reserved`
+    (the HTTP front end's share), at most `maximum`."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return maximum
     free = soft - open_descriptors()
-    return max(1, min(maximum, free - max(64, soft // 8)))
+    return max(1, min(maximum, free - headroom(soft) - reserved))
 
 
 class ConnectionGuard:
-    """Watches the connections of a bound ROUTER socket; unbinds at `limit`, binds again after a pause."""
+    """Watches the connections of a bound ROUTER socket; unbinds at `limit` (or when free
+    descriptors fall under 3/4 of the headroom), binds again after a pause.
 
-    def __init__(self, sock: zmq.Socket, endpoint: str, limit: int, on_bind: Callable[[], None]) -> None:
+    The monitor is read by a thread of its own ("dsv4-guard"), so the count follows the
+    accepts at once whatever the loop is doing. Only the socket's holder may unbind it:
+    the guard thread takes `lock` (the step watch's hand-off lock, free while the engine
+    steps) when it can, and otherwise wakes the loop (`wake`), whose `handle()` unbinds;
+    the step watch calls `handle_watch()` while it holds the socket during a slow step.
+    """
+
+    def __init__(self, sock: zmq.Socket, endpoint: str, limit: int, on_bind: Callable[[], None],
+                 lock: Any = None, wake: Callable[[], None] | None = None) -> None:
         self.sock = sock
         self.endpoint = endpoint
         self.limit = limit
         self._on_bind = on_bind
+        self._lock, self._wake = lock, wake
         self.monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
         self.open = 0
         self.refusals = 0  # times the endpoint was unbound
         self._unbound_at: float | None = None
+        self._over = threading.Event()  # the limit is reached: unbind at the next chance
+        self._unbound = threading.Event()  # set while unbound
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._low_water = None if soft == resource.RLIM_INFINITY else 3 * headroom(soft) // 4
+        self._closed = threading.Event()
+        self._thread: threading.Thread | None = None
+        if lock is not None:
+            self._thread = threading.Thread(target=self._run, name="dsv4-guard", daemon=True)
+            self._thread.start()
 
-    def handle(self) -> None:
-        """Count the monitor's events; unbind at the limit, bind again once the pause is over."""
+    # ------------------------------------------------------------------ counting
+    def _count(self, timeout_ms: int) -> None:
+        """Read the monitor's events (waiting up to `timeout_ms` for the first) and flag the limit:
+        `limit` connections counted, or free descriptors under the low water mark. The count
+        lags the accepts (libzmq accepts faster than Python reads events), so the descriptors
+        themselves are looked at every CHECK_EVERY events."""
+        n = 0
         while True:
             try:
+                if n == 0 and timeout_ms and not self.monitor.poll(timeout_ms):
+                    return
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
-                break
+                return
+            except zmq.ZMQError:  # closed while stopping
+                return
+            if n % CHECK_EVERY == 0 and self._unbound_at is None and self._low_water is not None:
+                free = free_descriptors()
+                if free is not None and free < self._low_water:
+                    self._over.set()
+            n += 1
             if event == zmq.EVENT_ACCEPTED:
                 self.open += 1
+                if self.open >= self.limit and self._unbound_at is None:
+                    self._over.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.open = max(0, self.open - 1)
-        if self._unbound_at is None and self.open >= self.limit:
-            log.warning("%d connections open (limit %d, from the descriptor limit): refusing connections "
-                        "for %.0f s; every connection is dropped", self.open, self.limit, REBIND_PAUSE_S)
-            self.sock.unbind(self.endpoint)  # also closes the listener's connections
-            self.open = 0
-            self.refusals += 1
-            self._unbound_at = time.monotonic()
+            if self._over.is_set():
+                return  # act now; the rest of the events can wait
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._count(100)
+            if self._over.is_set() and self._unbound_at is None:
+                if self._lock.acquire(blocking=False):  # the engine is stepping: the socket is free
+                    try:
+                        self._unbind()
+                    finally:
+                        self._lock.release()
+                elif self._wake is not None:
+                    self._wake()  # the loop (or the step watch) holds it and unbinds
+                    self._unbound.wait(0.05)  # and without waiting for this thread to give up the GIL
+
+    # ------------------------------------------------------------------ the socket's holder
+    def _unbind(self) -> None:
+        if self._unbound_at is not None or self._closed.is_set():
+            return
+        log.warning("%d connections open (limit %d, from the descriptor limit): refusing connections "
+                    "for %.0f s; every connection is dropped", self.open, self.limit, REBIND_PAUSE_S)
+        self.sock.unbind(self.endpoint)  # also closes the listener's connections
+        self.open = 0
+        self.refusals += 1
+        self._unbound_at = time.monotonic()
+        self._unbound.set()
+        self._over.clear()
+
+    def handle_watch(self) -> None:
+        """The step watch, holding the socket: unbind if the limit is reached."""
+        if self._over.is_set():
+            self._unbind()
+
+    def handle(self) -> None:
+        """The loop, holding the socket: count (without a guard thread), unbind at the limit,
+        bind again once the pause is over and descriptors are free again."""
+        if self._thread is None:
+            self._count(0)
+        if self._over.is_set():
+            self._unbind()
         elif self._unbound_at is not None and time.monotonic() - self._unbound_at >= REBIND_PAUSE_S:
+            free = free_descriptors()
+            if free is not None and self._low_water is not None and free < 2 * self._low_water:
+                self._unbound_at = time.monotonic()  # the dropped connections are not closed yet: wait more
+                return
+            self._unbound_at = None  # first: the guard thread watches the accepts from the bind on
+            self._unbound.clear()
             self.sock.bind(self.endpoint)
             self._on_bind()
-            self._unbound_at = None
             log.info("accepting connections again on %s", self.endpoint)
+
+    @property
+    def threaded(self) -> bool:
+        """Its own thread reads the monitor (the loop must not poll it)."""
+        return self._thread is not None
 
     @property
     def refusing(self) -> bool:
         return self._unbound_at is not None
 
     def close(self) -> None:
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:

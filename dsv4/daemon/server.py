@@ -51,6 +51,7 @@ MAX_MESSAGES_PER_TURN = 256
 MAX_BYTES_PER_TURN = 1 << 20  # while the engine has work: then the next step runs
 FRAME_SLACK_BYTES = 64 << 10  # a request's fields besides prompt and system (params, stop strings, ids)
 SEND_HWM = 100_000
+LISTEN_BACKLOG = 16
 HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
 MAX_CLIENTS = 256  # with requests in flight (idle ones are forgotten when the table is full)
 MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
@@ -121,6 +122,7 @@ class Server(Admission):
         s.setsockopt(zmq.MAXMSGSIZE, 2 * P.MAX_MESSAGE_BYTES)  # beyond this the peer is dropped
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
+        s.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)  # the most accepts in one burst (a flood meeting a rebind)
         try:
             s.bind(self.endpoint)
             for extra in self.also_bind:
@@ -133,8 +135,10 @@ class Server(Admission):
             raise
         self._sock = s
         self._private_socket_file()
-        self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file)
         self._watch = StepWatch(s, self._early_pong)
+        self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file,
+                                      lock=self._watch.lock, wake=self._wake)
+        self._watch.on_turn = self._guard.handle_watch
 
     def _private_socket_file(self) -> None:
         path = ipc_path(self.endpoint)
@@ -151,6 +155,10 @@ class Server(Admission):
     def request_stop(self, reason: str) -> None:
         if self.stop_reason is None:
             self.stop_reason = reason
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the loop's poll return now (any thread)."""
         try:
             self._wake_w.send(b"\0")
         except OSError:
@@ -190,7 +198,7 @@ class Server(Admission):
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        if self._guard is not None:
+        if self._guard is not None and not self._guard.threaded:
             poller.register(self._guard.monitor, zmq.POLLIN)
         while self.stop_reason is None:
             busy = self._has_work()

@@ -65,6 +65,7 @@ class StepWatch:
         self._answer = answer  # on the watch thread: reply to a ping now (True) or leave it (False)
         self._lock = threading.Lock()
         self._lock.acquire()  # the loop thread holds the socket, except inside stepping()
+        self.on_turn: Callable[[], None] | None = None  # called while the watch holds the socket (the guard)
         self._since: float | None = None  # when the step in progress began
         self._held: list[Held] = []
         self._held_bytes = 0
@@ -82,6 +83,11 @@ class StepWatch:
         finally:
             self._since = None
             self._lock.acquire()  # waits at most POLL_MS for a watch that holds the socket
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Whoever holds it may use the socket (the connection guard's thread takes it while free)."""
+        return self._lock
 
     def step_seconds(self) -> float | None:
         """How long the step in progress has run (None between steps); any thread may ask."""
@@ -116,6 +122,8 @@ class StepWatch:
     def _watch(self) -> None:
         """Holding the socket: receive until the step ends or the hold is full."""
         while self._since is not None and not self._closed.is_set():
+            if self.on_turn is not None:
+                self.on_turn()
             if len(self._held) >= HOLD_MESSAGES or self._held_bytes >= HOLD_BYTES:
                 return
             if not self._sock.poll(POLL_MS, zmq.POLLIN):
