@@ -69,7 +69,8 @@ def serve(
     compile: O.Compile = None,
     nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
-    http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None, api_key: O.ApiKey = None,
+    http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None,
+    allowed_hosts: O.AllowedHosts = None, allowed_origins: O.AllowedOrigins = None, api_key: O.ApiKey = None,
     detach: Annotated[bool, typer.Option("--detach", help="Run in the background: return once the daemon "
                                          "answers, print its pid and endpoint; log to $XDG_STATE_HOME/dsv4/dsv4.log")
                       ] = False,
@@ -98,11 +99,19 @@ def serve(
         O.check_extra("http", ("fastapi", "uvicorn", "prometheus_client"), "--http")
         from dsv4.http.server import HttpError, HttpServer, parse_address
 
+        from dsv4.http.guard import split_list
+
         try:
-            http_server = HttpServer(parse_address(http, api_key), api_key)
+            http_server = HttpServer(parse_address(http, api_key), api_key, allowed_hosts=split_list(allowed_hosts),
+                                     allowed_origins=split_list(allowed_origins))
         except HttpError as e:
             raise CliError(str(e), O.EXIT_USAGE) from None
         http_server.max_prompts = max_prompts_per_request
+        if not api_key:
+            O.err(f"dsv4: warning: serving HTTP on {http_server.address} without --api-key: any local user "
+                  f"or program can use the API")
+    elif allowed_hosts is not None or allowed_origins is not None:
+        raise CliError("--allowed-hosts and --allowed-origins need --http", O.EXIT_USAGE)
     if max_prompts_per_request is not None and http is None:
         raise CliError("--max-prompts-per-request needs --http", O.EXIT_USAGE)
     if detach:
@@ -118,6 +127,8 @@ def serve(
             http_argv = ["--http", http] if http is not None else []
             if max_prompts_per_request is not None:
                 http_argv += ["--max-prompts-per-request", str(max_prompts_per_request)]
+            http_argv += ["--allowed-hosts", allowed_hosts] if allowed_hosts is not None else []
+            http_argv += ["--allowed-origins", allowed_origins] if allowed_origins is not None else []
             pid, logf = spawn_detached([*O.engine_argv(kw), "--socket", endpoint, *http_argv], endpoint,
                                        api_key=api_key)
         except TimeoutError as e:

@@ -93,6 +93,15 @@ MaxPrompts = Annotated[Optional[int], typer.Option(
     "--max-prompts-per-request", metavar="N", callback=int_range(1, 1024),
     help="With --http: most prompts one /v1/completions request may list (more: 400), so one request "
          "cannot fill the daemon or sidestep n = 1 [default: 64]")]
+AllowedHosts = Annotated[Optional[str], typer.Option(
+    "--allowed-hosts", metavar="HOSTS",
+    help="With --http: more names the Host header may carry, comma-separated ('*': any); requests naming "
+         "another host get 400 (stops DNS rebinding) [default: loopback names and addresses for a loopback "
+         "--http; any host otherwise]")]
+AllowedOrigins = Annotated[Optional[str], typer.Option(
+    "--allowed-origins", metavar="ORIGINS",
+    help="With --http: web origins (e.g. http://localhost:3000) whose cross-origin requests are served, "
+         "with CORS headers, comma-separated ('*': any); other origins get 403 [default: none]")]
 ApiKey = Annotated[Optional[str], typer.Option(
     "--api-key", metavar="KEY", envvar="DSV4_API_KEY", show_envvar=False,
     help="Shared secret every request must carry (ZeroMQ requests; 'Authorization: Bearer KEY' over HTTP); "

@@ -192,6 +192,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
     `dsv4.http.server.HttpServer` for --http, or None; `given`: the engine settings given
     on the command line (compared with a daemon already running; None = all)."""
+    from dsv4.daemon.intake import connection_limit
     from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
@@ -222,6 +223,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
     try:
         for path in remove_stale(endpoint):
             log.info("removed stale socket %s left by a daemon that died", path)
+        soft, hard = raise_fd_limit()  # before HTTP takes its share of descriptors
         if http is not None:  # answers /health with 503 (and requests with 503) while the model loads
             import zmq
 
@@ -246,7 +248,6 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
             log.info("%s", engine.compile_note)
         if engine.policy is not None:
             log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
-        soft, hard = raise_fd_limit()
         also = ()
         if http is not None:
             from dsv4.http.server import INPROC_ENDPOINT
@@ -254,7 +255,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
             also = (INPROC_ENDPOINT,)
         server = Server(engine, endpoint, model_name=model_name, also_bind=also,
                         make_params=getattr(engine, "make_params", None), context=ctx, api_key=api_key,
-                        settings=engine_settings(config))
+                        settings=engine_settings(config),
+                        max_connections=connection_limit(reserved=http.descriptors_reserved() if http else 0))
         try:
             server.bind()
         except Exception as e:  # noqa: BLE001  (zmq.ZMQError: address in use, permission denied)

@@ -42,6 +42,7 @@ from starlette.routing import Route
 
 from dsv4.daemon import protocol as P
 from dsv4.http.bridge import Bridge, DaemonUnavailable
+from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
 from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion
 from dsv4.http.stream import ReasoningSplitter
@@ -101,10 +102,7 @@ class Api:
             if size > MAX_BODY_BYTES:
                 raise ApiError(413, f"request body exceeds the limit of {MAX_BODY_BYTES} bytes")
             chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        body = decode_json(b"".join(chunks))  # 400 for what no later stage could take (dsv4.http.guard)
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         model = body.get("model")
@@ -165,6 +163,7 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics_endpoint(self, request: Request) -> Response:
+        self._auth(request)  # token counts and latencies are the key holder's; /health stays open and minimal
         if self.bridge is not None and self.bridge.alive:
             try:
                 self.metrics.set_queue(await self.bridge.status())
@@ -365,6 +364,9 @@ def build_app(api: Api) -> Starlette:
         assert isinstance(exc, HTTPException)
         return error_response(ApiError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}"))
 
+    async def on_internal_error(request: Request, exc: Exception) -> Response:  # logged in one line by guard.HostOriginGuard
+        return error_response(ApiError(500, "internal error in the HTTP server; see the daemon's log"))
+
     routes = [
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
@@ -380,5 +382,7 @@ def build_app(api: Api) -> Starlette:
         finally:
             await api.shutdown()
 
-    return Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error},
-                     lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        ApiError: on_api_error, HTTPException: on_http_error, Exception: on_internal_error})
+    app.router.redirect_slashes = False  # /v1/models/ is a 404, not a redirect to whatever Host the client sent
+    return app

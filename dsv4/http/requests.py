@@ -154,7 +154,12 @@ def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
             raise _bad("stream_options is only allowed when stream is true", "stream_options")
         if not isinstance(opts, dict):
             raise _bad("stream_options must be an object", "stream_options")
-        include_usage = bool(opts.get("include_usage", False))
+        include_usage = opts.get("include_usage", False)
+        if include_usage is None:
+            include_usage = False
+        if not isinstance(include_usage, bool):
+            raise _bad(f"stream_options.include_usage must be true or false, got {_short(include_usage)}",
+                       "stream_options")
     return params, stream, include_usage
 
 

@@ -84,8 +84,11 @@ class HttpServer:
 
     max_prompts: int | None = None  # --max-prompts-per-request (None: dsv4.http.submit's default)
 
-    def __init__(self, address: Address, api_key: str | None) -> None:
+    def __init__(self, address: Address, api_key: str | None, *, allowed_hosts: tuple[str, ...] = (),
+                 allowed_origins: tuple[str, ...] = ()) -> None:
         self.address, self.api_key = address, api_key
+        self.allowed_hosts, self.allowed_origins = allowed_hosts, allowed_origins
+        self.max_connections, self.backlog = 0, 0  # set by start() from the descriptor limit
         self._sock: socket.socket | None = None
         self._server: Any = None
         self._thread: threading.Thread | None = None
@@ -104,21 +107,37 @@ class HttpServer:
 
     def start(self, zmq_ctx: Any, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any) -> None:
         """Serve in a thread; requests get 503 until the daemon binds INPROC_ENDPOINT in `zmq_ctx` and answers."""
+        import resource
+
         import uvicorn
 
         from dsv4.http.app import Api, build_app
+        from dsv4.http.guard import HostOriginGuard
+        from dsv4.http.limits import (KEEP_ALIVE_S, MAX_HEADER_BYTES, GuardedH11Protocol, LimitedServer,
+                                       header_timeout, http_budget)
 
         assert self._sock is not None, "bind() first"
         api = Api(model_name=model_name, model_path=model_path, max_model_len=max_model_len, tokenizer=tokenizer,
                   ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key, max_prompts=self.max_prompts)
-        config = uvicorn.Config(build_app(api), log_level="warning", access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=3, ws="none")
-        self._server = uvicorn.Server(config)
+        app = HostOriginGuard(build_app(api), loopback=self.address.loopback, allowed_hosts=self.allowed_hosts,
+                              allowed_origins=self.allowed_origins)
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self.max_connections, self.backlog = http_budget(soft if soft != resource.RLIM_INFINITY else 1 << 20)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                timeout_graceful_shutdown=3, ws="none", backlog=self.backlog,
+                                http=GuardedH11Protocol.configure(self.max_connections, header_timeout()),
+                                timeout_keep_alive=int(KEEP_ALIVE_S), h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+        self._server = LimitedServer(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="dsv4-http", daemon=True)
         self._thread.start()
-        log.info("OpenAI-compatible HTTP API on http://%s/v1 (%s)", self.address,
-                 "API key required" if self.api_key else "no API key")
+        log.info("OpenAI-compatible HTTP API on http://%s/v1 (%s); at most %d HTTP connections", self.address,
+                 "API key required" if self.api_key else "no API key", self.max_connections)
+
+    def descriptors_reserved(self) -> int:
+        """Descriptors HTTP may still take beyond those it has open now (its cap plus an accept burst)."""
+        open_now = len(self._server.server_state.connections) if self._server is not None else 0
+        return max(0, self.max_connections + self.backlog - open_now)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop uvicorn and wait for its thread (its ZeroMQ socket closes with it)."""

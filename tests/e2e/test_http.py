@@ -221,7 +221,7 @@ def test_disconnect_cancels_the_generation(server, stream):
     cancelled = d.log.read_text().count("cancelled")
     s = socket.create_connection(("127.0.0.1", port), timeout=30)
     body = json.dumps({"prompt": "Long", "max_tokens": 900, "stream": stream, "ignore_eos": True}).encode()
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
               + b"\r\n\r\n" + body)
     if stream:
@@ -239,7 +239,7 @@ def test_disconnect_cancels_the_generation(server, stream):
 
 def test_metrics_use_vllm_names(server, client):
     client.completions.create(model=_model(client), prompt="Count", max_tokens=6, extra_body={"ignore_eos": True})
-    code, text = _get(server[1], "/metrics")
+    code, text = _get(server[1], "/metrics", {"Authorization": f"Bearer {KEY}"})
     assert code == 200
     lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
     value = {ln.rsplit(" ", 1)[0].split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines}
@@ -265,3 +265,13 @@ def test_bench_over_http(server):
     assert rep["config"]["target"].startswith("http") and set(arms) == {"on", "off"}
     assert all(x["output_tokens"] == 8 and x["requests"] == 2 and x["ttft_s"]["p50"] for x in arms.values())
     assert arms["on"]["drafted"] > 0 and arms["off"]["drafted"] == 0
+
+
+def test_metrics_need_the_key_and_health_stays_minimal(server):
+    _, port = server
+    status, text = _get(port, "/metrics")
+    assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+    status, text = _get(port, "/metrics", {"Authorization": f"Bearer {KEY}"})
+    assert status == 200 and "vllm:" in text
+    status, text = _get(port, "/health")
+    assert status == 200 and json.loads(text) == {"status": "ok"}
