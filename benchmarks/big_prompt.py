@@ -22,12 +22,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv4.daemon.client import Client, DaemonError  # noqa: E402
+from serve_daemon import serving  # noqa: E402
 
 
 def small_request(ep: str, tokens: int) -> tuple[float, float]:
@@ -88,28 +85,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--senders", type=int, default=3)
     args = ap.parse_args()
-    d = Path(tempfile.mkdtemp(prefix="dsv4b-", dir="/tmp"))
-    ep = f"ipc://{d}/d.sock"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    dsv4 = Path(sys.executable).parent / "dsv4"
-    log = open(d / "serve.log", "wb")
-    proc = subprocess.Popen([str(dsv4), "serve", "--max-model-len", "8192", "--socket", ep], env=env,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        for _ in range(600):
-            try:
-                with Client(ep) as c:
-                    c.connect(timeout_s=1)
-                break
-            except Exception:  # noqa: BLE001  (still loading)
-                time.sleep(0.2)
+    with serving("--max-model-len", "8192") as ep:
         small_request(ep, args.tokens)  # warm-up
         results = {name: scenario(ep, size, args) for name, size in
                    (("none", 0), ("4 MiB", 4 << 20), ("400 KiB", 400 << 10))}
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(d, ignore_errors=True)
     base = results["none"]
     print(f"{args.requests} small requests of {args.tokens} tokens each; {args.senders} senders of big prompts")
     print(f"{'scenario':<10} {'median e2e':>12} {'worst e2e':>12} {'worst gap':>12} {'x none (median)':>16} "

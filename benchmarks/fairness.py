@@ -23,12 +23,8 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from dsv4.daemon.client import Client  # noqa: E402
+from serve_daemon import serving  # noqa: E402
 
 PROMPT = "To be, or not to be"
 
@@ -95,28 +92,9 @@ def main() -> None:
     ap.add_argument("--flood-tokens", type=int, default=64, help="tokens of each flood request")
     ap.add_argument("--probes", type=int, default=5, help="1-token requests measured per scenario")
     args = ap.parse_args()
-    d = Path(tempfile.mkdtemp(prefix="dsv4b-", dir="/tmp"))
-    ep = f"ipc://{d}/d.sock"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.pop("DSV4_API_KEY", None)
-    dsv4 = Path(sys.executable).parent / "dsv4"
-    log = open(d / "serve.log", "wb")
-    proc = subprocess.Popen([str(dsv4), "serve", "--threads", "1", "--socket", ep], env=env,
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    try:
-        for _ in range(600):
-            try:
-                with Client(ep) as c:
-                    c.connect(timeout_s=1)
-                break
-            except Exception:  # noqa: BLE001  (still loading)
-                time.sleep(0.2)
+    with serving("--threads", "1") as ep:
         probe(ep)  # warm-up
         results = {"none": scenario(ep, False, args), "flood": scenario(ep, True, args)}
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        shutil.rmtree(d, ignore_errors=True)
     base = statistics.median(results["none"])
     print(f"{args.probes} probes of 1 token; flood: one client with {args.streams} streams of "
           f"{args.flood_tokens} tokens")

@@ -335,13 +335,20 @@ class AlreadyRunning(RuntimeError):
     """`serve --detach` found, through its child, a daemon already running with the same settings (exit 0)."""
 
 
-def startup_report(logf: Path, start: int) -> str | None:
-    """The last 'dsv4 daemon already running ...' line in the log from byte `start` on."""
+def _log_lines(logf: Path, start: int) -> list[str] | None:
+    """The lines of the log from byte `start` on (at most 1 MiB of them); None if unreadable."""
     try:
         with open(logf, "rb") as f:
             f.seek(start)
-            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines()
+            return f.read(1 << 20).decode("utf-8", "replace").splitlines()
     except OSError:
+        return None
+
+
+def startup_report(logf: Path, start: int) -> str | None:
+    """The last 'dsv4 daemon already running ...' line in the log from byte `start` on."""
+    lines = _log_lines(logf, start)
+    if lines is None:
         return None
     return next((line for line in reversed(lines) if line.startswith("dsv4 daemon already running")), None)
 
@@ -349,11 +356,8 @@ def startup_report(logf: Path, start: int) -> str | None:
 def startup_error(logf: Path, start: int) -> str | None:
     """The last error a daemon wrote to its log from byte `start` on: a logged ERROR
     record's message, or the CLI's own one-line 'dsv4: ...' message; None if there is none."""
-    try:
-        with open(logf, "rb") as f:
-            f.seek(start)
-            lines = f.read(1 << 20).decode("utf-8", "replace").splitlines()
-    except OSError:
+    lines = _log_lines(logf, start)
+    if lines is None:
         return None
     for line in reversed(lines):
         _, sep, message = line.partition(" ERROR ")
