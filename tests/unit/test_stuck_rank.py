@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from typing import Iterator
 
 import pytest
@@ -28,6 +29,10 @@ class FrozenRanks:
 def frozen_rank() -> Iterator[subprocess.Popen]:
     p = subprocess.Popen(["sleep", "120"])
     os.kill(p.pid, signal.SIGSTOP)
+    for _ in range(1000):  # the signal is delivered when the process next runs: wait for it (bounded)
+        if stopped_ranks([p.pid]):
+            break
+        time.sleep(0.01)
     yield p
     p.kill()
     p.wait()
