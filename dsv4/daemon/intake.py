@@ -29,6 +29,8 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .threads import start_thread
+
 log = logging.getLogger("dsv4.daemon")
 
 INLINE_TOKENIZE_BYTES = 16 << 10  # smaller text prompts are tokenized on the loop (cheaper than a hand-off)
@@ -127,8 +129,7 @@ class ConnectionGuard:
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if lock is not None:
-            self._thread = threading.Thread(target=self._run, name="dsv4-guard", daemon=True)
-            self._thread.start()
+            self._thread = start_thread(self._run, "dsv4-guard")
 
     # ------------------------------------------------------------------ counting
     def _count(self, timeout_ms: int) -> None:

@@ -38,6 +38,8 @@ from typing import Callable, Iterator
 
 import zmq
 
+from .threads import start_thread
+
 log = logging.getLogger("dsv4.daemon")
 
 CHECK_S = 0.1  # how often the watch looks at the step in progress
@@ -70,8 +72,7 @@ class StepWatch:
         self._held: list[Held] = []
         self._held_bytes = 0
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="dsv4-watch", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(self._run, "dsv4-watch")
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:

@@ -11,11 +11,13 @@ import subprocess
 import termios
 import time
 
-from tests.e2e.util import CMD, env_for, status, wait_until
+from tests.e2e.util import CMD, as_from_a_terminal, env_for, status, wait_until
 
 
 def _controlling_tty() -> None:
-    """In the child: a new session whose controlling terminal is the pty, so ^C sends SIGINT."""
+    """In the child: a new session whose controlling terminal is the pty, so ^C sends SIGINT
+    (with SIGINT's default action, as from a terminal's shell: `as_from_a_terminal`)."""
+    as_from_a_terminal()
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 

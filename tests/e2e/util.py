@@ -43,9 +43,17 @@ def dsv4(*args: str, endpoint: str | None = None, input: str | None = None, time
                           capture_output=True, text=True, timeout=timeout, env=env or env_for(endpoint))
 
 
+def as_from_a_terminal() -> None:
+    """In a child: SIGINT back to its default, as a shell at a terminal starts a command. A
+    suite run in the background (test.sh's runs, `pytest &`) has SIGINT ignored, which
+    children inherit, and Python keeps an ignored SIGINT ignored: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(*args: str, endpoint: str | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([*CMD, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env or env_for(endpoint))
+                            stderr=subprocess.PIPE, text=True, env=env or env_for(endpoint),
+                            preexec_fn=as_from_a_terminal)
 
 
 def run_json(*args: str, endpoint: str) -> dict[str, Any]:
