@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
+from tests.model.conftest import TOL
 
 GEN = 24
 
@@ -60,6 +61,7 @@ def test_greedy_auto_equals_k0(tiny_checkpoint, name):
     assert [c.token_ids for c in llm.generate(prompts[2:3], sp)] == ref[2:3]
 
 
+@pytest.mark.exact
 def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(tiny_checkpoint):
     """K = 0 for a while (the MTP skips, its pairs wait in a trimmed backlog), then K = 1:
     each draft equals the first draft of a K = 1 engine prefilled with the same tokens."""
@@ -89,5 +91,7 @@ def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(tiny_checkpoint):
         state = ref.engine.runner.state
         length, win = caches[n]
         assert state.mtp_lengths[0] == length
-        # equal up to the summation order of matmuls over different row counts
-        torch.testing.assert_close(state.snapshot(0)["mtp.win"], win, rtol=1e-5, atol=1e-6)
+        # equal up to the summation order of matmuls over different row counts: the float32
+        # promise (1e-5, tests/model/conftest.py TOL); 1e-6 held on AVX-512 kernels only
+        # (AVX2: 1.4e-6 on one entry of 352)
+        torch.testing.assert_close(state.snapshot(0)["mtp.win"], win, rtol=1e-5, atol=TOL)

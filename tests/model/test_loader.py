@@ -26,6 +26,7 @@ def _dequantised(name: str, t: torch.Tensor) -> torch.Tensor:
     return t  # the tiny checkpoint keeps the other floats in fp32
 
 
+@pytest.mark.exact
 def test_fp8_fp4_sharded_round_trip(tmp_path):
     model = write_tiny_checkpoint(tmp_path, quantize=True, num_shards=3, with_tokenizer=False)
     files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
@@ -45,7 +46,9 @@ def test_fp8_fp4_sharded_round_trip(tmp_path):
     plain = DeepseekV4(model.cfg)
     plain.load_state_dict(ref)
     ids = torch.randint(0, 4096, (1, 70), generator=torch.Generator().manual_seed(0))
-    assert torch.equal(loaded(ids), plain.eval()(ids))
+    # bit for bit against the same weights in the same form (load_model fuses the projections;
+    # a fused and an unfused matmul round differently on some CPUs' kernels, e.g. AVX2's)
+    assert torch.equal(loaded(ids), plain.eval().fuse_projections()(ids))
 
 
 def _ckpt(tmp_path):
