@@ -70,11 +70,15 @@ class Intake:
 
 
 def open_descriptors() -> int:
-    """Descriptors this process has open now."""
+    """Descriptors this process has open now (every one allowed, when listing them needs one
+    more than is free: the count must read "full" exactly then)."""
     try:
         return len(os.listdir("/proc/self/fd"))
-    except OSError:
+    except FileNotFoundError:
         return 64  # no /proc: a typical count for a loaded engine
+    except OSError:  # EMFILE/ENFILE: no descriptor left to list them with
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return 1 << 20 if soft == resource.RLIM_INFINITY else soft
 
 
 def free_descriptors() -> int | None:
@@ -168,6 +172,8 @@ class ConnectionGuard:
                 if self._lock.acquire(blocking=False):  # the engine is stepping: the socket is free
                     try:
                         self._unbind()
+                    except zmq.ZMQError as e:  # the loop tries again when it next holds the socket
+                        log.warning("could not stop accepting connections: %s", e)
                     finally:
                         self._lock.release()
                 elif self._wake is not None:
@@ -206,7 +212,14 @@ class ConnectionGuard:
                 return
             self._unbound_at = None  # first: the guard thread watches the accepts from the bind on
             self._unbound.clear()
-            self.sock.bind(self.endpoint)
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:  # descriptors gone again, or (tcp) the port taken meanwhile
+                log.warning("cannot accept connections again on %s yet: %s; retrying in %.0f s",
+                            self.endpoint, e, REBIND_PAUSE_S)
+                self._unbound_at = time.monotonic()
+                self._unbound.set()
+                return
             self._on_bind()
             log.info("accepting connections again on %s", self.endpoint)
 

@@ -134,5 +134,7 @@ class StepWatch:
             except zmq.Again:
                 continue
             client, body = frames[0], frames[1:]
-            self._held.append(Held(client, body, self._answer(client, body)))
+            held = Held(client, body, False)  # held first: an answer that fails loses nothing
+            self._held.append(held)
             self._held_bytes += sum(len(f) for f in frames)
+            held.answered = self._answer(client, body)

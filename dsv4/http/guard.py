@@ -87,19 +87,22 @@ class HostOriginGuard:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
         origin = headers.get("origin")
+        allowed: list[tuple[bytes, bytes]] = []  # CORS headers, once the origin is known to be allowed
         try:
             self._check_host(host)
             if origin is not None:
                 self._check_origin(origin, host)
+                allowed = self._cors(origin, preflight=False)
             if scope["method"] == "OPTIONS" and origin is not None and "access-control-request-method" in headers:
-                await _respond(send, 204, b"", self._cors(origin, preflight=True))
+                asked = headers.get("access-control-request-headers", "")
+                await _respond(send, 204, b"", self._cors(origin, preflight=True, asked=asked))
                 return
             if scope["method"] == "POST":
                 _check_content_type(headers.get("content-type"))
-        except ApiError as e:
+        except ApiError as e:  # an allowed origin's page may read why (the CORS headers)
             body = json.dumps(e.body()).encode()
             await _respond(send, e.status, body, [(b"content-type", b"application/json"),
-                                                  (b"x-should-retry", b"false")])
+                                                  (b"x-should-retry", b"false"), *allowed])
             return
         if origin is not None:
             cors = self._cors(origin, preflight=False)
@@ -137,11 +140,14 @@ class HostOriginGuard:
                             f"--allowed-origins", etype="permission_error", code="origin_not_allowed")
 
     @staticmethod
-    def _cors(origin: str, preflight: bool) -> list[tuple[bytes, bytes]]:
+    def _cors(origin: str, preflight: bool, asked: str = "") -> list[tuple[bytes, bytes]]:
+        """CORS headers for an allowed `origin`; a preflight allows the request headers it
+        `asked` for (browser clients send their own, e.g. openai-node's X-Stainless-*)."""
         out = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
         if preflight:
+            names = sorted({*split_list(CORS_HEADERS), *(h.lower() for h in split_list(asked))})
             out += [(b"access-control-allow-methods", CORS_METHODS.encode()),
-                    (b"access-control-allow-headers", CORS_HEADERS.encode()),
+                    (b"access-control-allow-headers", ", ".join(names).encode("latin-1")),
                     (b"access-control-max-age", CORS_MAX_AGE_S.encode())]
         return out
 

@@ -114,9 +114,15 @@ def test_cross_origin_requests_are_refused_unless_allowed(served: Served) -> Non
     status, headers, _ = _request(served.port, "OPTIONS", "/v1/completions", headers=pre)
     assert status == 403 and "access-control-allow-origin" not in headers
     # an allowed origin: preflight answered, CORS headers on the answer
-    status, headers, _ = _request(served.port, "OPTIONS", "/v1/completions", headers={**pre, "Origin": ALLOWED_ORIGIN})
+    asked = {**pre, "Origin": ALLOWED_ORIGIN, "Access-Control-Request-Headers": "content-type, X-Stainless-OS"}
+    status, headers, _ = _request(served.port, "OPTIONS", "/v1/completions", headers=asked)
     assert status == 204 and headers["access-control-allow-origin"] == ALLOWED_ORIGIN
-    assert "POST" in headers["access-control-allow-methods"] and "content-type" in headers["access-control-allow-headers"]
+    assert "POST" in headers["access-control-allow-methods"]
+    assert {"content-type", "x-stainless-os", "authorization"} <= set(headers["access-control-allow-headers"].split(", "))
+    # a refused body from an allowed origin: the page can read why
+    status, headers, _ = _request(served.port, "POST", "/v1/completions", COMPLETION,
+                                  {"Content-Type": "text/plain", "Origin": ALLOWED_ORIGIN})
+    assert status == 415 and headers["access-control-allow-origin"] == ALLOWED_ORIGIN
     status, headers, text = _post(served.port, COMPLETION, Origin=ALLOWED_ORIGIN)
     assert status == 200 and headers["access-control-allow-origin"] == ALLOWED_ORIGIN, text
     # the server's own origin is not cross-origin
