@@ -150,6 +150,11 @@ def check_backend(device: torch.device) -> None:
         if not (os.path.isfile(cxx) or any(os.path.isfile(os.path.join(p, cxx))
                                            for p in os.environ.get("PATH", "").split(os.pathsep))):
             raise CompileUnavailable(f"no C++ compiler for inductor ({cxx} not found)")
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        if not pick_vec_isa():  # CPU_OPTIONS' C++ GEMM needs one: every capture would fail (~20 s each)
+            raise CompileUnavailable("inductor finds no SIMD instruction set it can use on this CPU "
+                                     f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', 'unset')})")
     elif device.type != "cuda":
         raise CompileUnavailable(f"no compile backend for --device {device.type}")
 
