@@ -15,15 +15,10 @@ from pathlib import Path
 import pytest
 
 from dsv4.daemon.paths import daemon_pid
-from tests.e2e.util import dsv4, env_for, short_dir
+from tests.e2e.util import dsv4, env_for, free_port, short_dir
 
 pytest.importorskip("uvicorn")
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_detach_with_the_port_in_use_says_so_in_one_line(tiny_model: Path) -> None:
@@ -51,7 +46,7 @@ def test_detach_with_the_port_in_use_says_so_in_one_line(tiny_model: Path) -> No
 def test_detach_prints_the_http_url(tiny_model: Path) -> None:
     d = short_dir()
     ep = f"ipc://{d}/d.sock"
-    port = _free_port()
+    port = free_port()
     try:
         r = dsv4("serve", "--detach", "--http", f"127.0.0.1:{port}", "--model", str(tiny_model), "--socket", ep,
                  timeout=120, env=env_for(XDG_STATE_HOME=str(d / "state")))

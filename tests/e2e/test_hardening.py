@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket as pysocket
 import stat
 import subprocess
 from pathlib import Path
@@ -21,7 +20,7 @@ import zmq
 
 from dsv4.daemon import paths
 from dsv4.daemon.client import Client, _alive
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, reap, short_dir, wait_until
+from tests.e2e.util import CMD, Daemon, dsv4, env_for, free_port, reap, short_dir, wait_until
 
 
 def run_in(cwd: Path, *args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -69,11 +68,6 @@ def test_detach_ignores_a_planted_package_and_checks_settings(tiny_model: Path, 
 
 
 # ---------------------------------------------------------------------- 5
-def free_port() -> int:
-    with pysocket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_tcp_daemon_with_a_key_answers_only_with_it(tiny_model: Path) -> None:
     ep = f"tcp://127.0.0.1:{free_port()}"

@@ -13,20 +13,15 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.e2e.util import Daemon, dsv4, env_for, run_json, status, wait_until
+from tests.e2e.util import Daemon, dsv4, env_for, free_port, run_json, status, wait_until
 
 KEY = "sk-test-dsv4"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[tuple[Daemon, int]]:
-    port = _free_port()
+    port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV4_API_KEY", KEY)  # the key guards the ZeroMQ socket too: the CLI calls here carry it
         # a fixed K: the spec-decode metrics and the bench's MTP arms need drafts (auto may choose 0)

@@ -17,7 +17,7 @@ from typing import Iterator
 import pytest
 import zmq
 
-from tests.e2e.util import CMD, dsv4, env_for, short_dir, wait_until
+from tests.e2e.util import CMD, dsv4, env_for, free_port, short_dir, wait_until
 
 NOFILE = 256
 ALLOWED_ORIGIN = "http://app.example:3000"
@@ -31,11 +31,6 @@ class Served:
         return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _low_nofile() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
@@ -44,7 +39,7 @@ def _low_nofile() -> None:
 @pytest.fixture(scope="module")
 def served(tiny_model: Path) -> Iterator[Served]:
     d = short_dir()
-    ep, port, log = f"ipc://{d}/d.sock", _free_port(), d / "serve.log"
+    ep, port, log = f"ipc://{d}/d.sock", free_port(), d / "serve.log"
     env = env_for(DSV4_TEST_HTTP_HEADER_TIMEOUT_S="1")
     env.pop("DSV4_API_KEY", None)
     with open(log, "wb") as out:

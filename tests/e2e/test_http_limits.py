@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -16,16 +15,11 @@ import pytest
 import zmq
 
 from dsv4.daemon import protocol as P
-from tests.e2e.util import Daemon, wait_until
+from tests.e2e.util import Daemon, free_port, wait_until
 
 MAX_PROMPTS = 40
 SLOTS = 2
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(port: int, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, dict]:
@@ -42,7 +36,7 @@ def _call(port: int, method: str, path: str, body: Any = None, timeout: float = 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path) -> Iterator[tuple[Daemon, int]]:
-    port = _free_port()
+    port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.delenv("DSV4_API_KEY", raising=False)
         d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--max-num-seqs", str(SLOTS),

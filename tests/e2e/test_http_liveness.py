@@ -16,15 +16,15 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.e2e.test_http import _free_port, _get
-from tests.e2e.util import Daemon, status, wait_until
+from tests.e2e.test_http import _get
+from tests.e2e.util import Daemon, free_port, status, wait_until
 
 STEP_S = 1.3  # every engine step sleeps this long inside the step ...
 WINDOW_S = 1.0  # ... longer than the front end waits for a pong before calling the daemon dead
 
 
 def _slow_daemon(model: Path) -> tuple[Daemon, int]:
-    port = _free_port()
+    port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV4_TEST_STEP_DELAY_S", str(STEP_S))
         mp.setenv("DSV4_TEST_ALIVE_WINDOW_S", str(WINDOW_S))

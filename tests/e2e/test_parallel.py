@@ -10,11 +10,10 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import time
 from pathlib import Path
 
-from tests.e2e.util import Daemon, dsv4, reap, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import Daemon, dsv4, free_port, reap, run_json, short_dir, spawn, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12
@@ -141,7 +140,3 @@ def test_nnodes_without_master_is_refused(tiny_model: Path) -> None:
                                "and a free port there)", r.stderr
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -11,8 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e.test_parallel import alive, descendants, free_port
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, reap, run_json, short_dir, status, wait_until
+from tests.e2e.test_parallel import alive, descendants
+from tests.e2e.util import CMD, Daemon, dsv4, env_for, free_port, reap, run_json, short_dir, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12

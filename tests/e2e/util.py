@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,13 @@ from typing import Any
 
 BIN = Path(sys.executable).parent / "dsv4"
 CMD = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "dsv4.cli.main"]
+
+
+def free_port() -> int:
+    """A loopback TCP port free at this moment (bound, read and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def short_dir() -> Path:

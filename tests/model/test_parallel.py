@@ -8,7 +8,6 @@ variant of the tiny config whose split dimensions divide by 4 (`tiny.TP4`)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import traceback
 from pathlib import Path
 from typing import Any, Callable
@@ -19,17 +18,13 @@ import torch
 from dsv4.model import parallel, sharding
 from dsv4.model.loader import load_model
 from dsv4.model.state import Batch
+from tests.e2e.util import free_port
 from tests.checkpoints import write_tiny_checkpoint
 from tests.model.conftest import W8A8_DENSE
 
 WORLD = 2
 TIMEOUT_S = 240
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_model(model) -> dict[str, torch.Tensor]:
