@@ -7,7 +7,8 @@ request counts for in the engine's fair shares (item 4)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import contextlib
+from typing import Any, AsyncIterator
 
 import msgpack
 import pytest
@@ -27,6 +28,26 @@ def _messages(router: zmq.Socket, wait_ms: int = 0) -> list[dict[str, Any]]:
         out.append(msgpack.unpackb(frame, raw=False))
         wait_ms = 0
     return out
+
+
+@contextlib.asynccontextmanager
+async def _daemon_and_bridge(limit: int, rcvhwm: int | None = None) -> AsyncIterator[tuple[zmq.Socket, Bridge]]:
+    """(the test's ROUTER playing the daemon, a Bridge that has seen its pong with `limit`),
+    closed again after the block."""
+    ctx = zmq.asyncio.Context()
+    router = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # the daemon: plain blocking calls
+    if rcvhwm is not None:
+        router.setsockopt(zmq.RCVHWM, rcvhwm)
+    router.bind(ENDPOINT)
+    bridge = None
+    try:
+        bridge = await _bridge_with_pong(ctx, router, limit)
+        yield router, bridge
+    finally:
+        if bridge is not None:
+            await bridge.close()
+        router.close(0)
+        ctx.term()
 
 
 async def _bridge_with_pong(ctx: zmq.asyncio.Context, router: zmq.Socket, limit: int) -> Bridge:
@@ -49,12 +70,7 @@ async def _bridge_with_pong(ctx: zmq.asyncio.Context, router: zmq.Socket, limit:
 
 def test_full_queue_is_busy_and_no_cancel_is_lost() -> None:
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        router = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)  # the daemon: plain blocking calls
-        router.setsockopt(zmq.RCVHWM, 8)
-        router.bind(ENDPOINT)
-        bridge = await _bridge_with_pong(ctx, router, 1 << 20)
-        try:
+        async with _daemon_and_bridge(1 << 20, rcvhwm=8) as (router, bridge):
             rids = []
             with pytest.raises(DaemonBusy, match="busy"):
                 for _ in range(1000):  # bounded: the queue holds 8 + 8 (and some in flight)
@@ -72,31 +88,19 @@ def test_full_queue_is_busy_and_no_cancel_is_lost() -> None:
             generated = [m["id"] for m in got if m["type"] == "generate"]
             cancelled = [m["target"] for m in got if m["type"] == "cancel"]
             assert sorted(cancelled) == sorted(rids) and set(generated) <= set(rids)
-        finally:
-            await bridge.close()
-            router.close(0)
-            ctx.term()
 
     asyncio.run(main())
 
 
 def test_a_message_over_the_daemons_limit_is_refused_before_sending() -> None:
     async def main() -> None:
-        ctx = zmq.asyncio.Context()
-        router = zmq.Context.shadow(ctx.underlying).socket(zmq.ROUTER)
-        router.bind(ENDPOINT)
-        bridge = await _bridge_with_pong(ctx, router, 1000)
-        try:
+        async with _daemon_and_bridge(1000) as (router, bridge):
             assert bridge.message_limit == 1000
             with pytest.raises(MessageTooLarge, match=r"limit of 1000 bytes for --max-model-len 64"):
                 await bridge.generate("y" * 2000, {})
             rid, _ = await bridge.generate("y" * 100, {})
             await asyncio.sleep(0.05)
             assert [m["id"] for m in _messages(router, 1000) if m["type"] == "generate"] == [rid]
-        finally:
-            await bridge.close()
-            router.close(0)
-            ctx.term()
 
     asyncio.run(main())
 
