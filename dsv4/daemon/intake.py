@@ -69,6 +69,12 @@ class Intake:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def descriptor_limit() -> int | None:
+    """This process's soft limit on open descriptors (None: unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
 def open_descriptors() -> int:
     """Descriptors this process has open now (every one allowed, when listing them needs one
     more than is free: the count must read "full" exactly then)."""
@@ -77,14 +83,14 @@ def open_descriptors() -> int:
     except FileNotFoundError:
         return 64  # no /proc: a typical count for a loaded engine
     except OSError:  # EMFILE/ENFILE: no descriptor left to list them with
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+        limit = descriptor_limit()
+        return 1 << 20 if limit is None else limit
 
 
 def free_descriptors() -> int | None:
     """Descriptors this process may still open (None: no limit)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return None if soft == resource.RLIM_INFINITY else soft - open_descriptors()
+    limit = descriptor_limit()
+    return None if limit is None else limit - open_descriptors()
 
 
 def headroom(soft: int) -> int:
@@ -97,11 +103,10 @@ def headroom(soft: int) -> int:
 def connection_limit(maximum: int = MAX_CONNECTIONS, reserved: int = 0) -> int:
     """Open connections allowed: the free descriptors minus `headroom` and minus `reserved`
     (the HTTP front end's share), at most `maximum`."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    soft = descriptor_limit()
+    if soft is None:
         return maximum
-    free = soft - open_descriptors()
-    return max(1, min(maximum, free - headroom(soft) - reserved))
+    return max(1, min(maximum, soft - open_descriptors() - headroom(soft) - reserved))
 
 
 class ConnectionGuard:
@@ -128,8 +133,8 @@ class ConnectionGuard:
         self._unbound_at: float | None = None
         self._over = threading.Event()  # the limit is reached: unbind at the next chance
         self._unbound = threading.Event()  # set while unbound
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        self._low_water = None if soft == resource.RLIM_INFINITY else 3 * headroom(soft) // 4
+        soft = descriptor_limit()
+        self._low_water = None if soft is None else 3 * headroom(soft) // 4
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if lock is not None:

@@ -107,10 +107,9 @@ class HttpServer:
 
     def start(self, zmq_ctx: Any, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any) -> None:
         """Serve in a thread; requests get 503 until the daemon binds INPROC_ENDPOINT in `zmq_ctx` and answers."""
-        import resource
-
         import uvicorn
 
+        from dsv4.daemon.intake import descriptor_limit
         from dsv4.http.app import Api, build_app
         from dsv4.http.guard import HostOriginGuard
         from dsv4.http.limits import (KEEP_ALIVE_S, MAX_HEADER_BYTES, GuardedH11Protocol, LimitedServer,
@@ -121,8 +120,8 @@ class HttpServer:
                   ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key, max_prompts=self.max_prompts)
         app = HostOriginGuard(build_app(api), loopback=self.address.loopback, allowed_hosts=self.allowed_hosts,
                               allowed_origins=self.allowed_origins)
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        self.max_connections, self.backlog = http_budget(soft if soft != resource.RLIM_INFINITY else 1 << 20)
+        soft = descriptor_limit()
+        self.max_connections, self.backlog = http_budget(soft if soft is not None else 1 << 20)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=3, ws="none", backlog=self.backlog,
                                 http=GuardedH11Protocol.configure(self.max_connections, header_timeout()),
