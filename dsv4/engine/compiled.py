@@ -1,8 +1,10 @@
-"""Captured decode dispatches (`--compile`): `torch.compile` of `StaticStep` per bucket.
+"""Captured decode dispatches (`--compile`): the model itself, compiled per bucket.
 
-`CompiledSteps(model, state, max_tokens, with_mtp)` compiles the main model's and the MTP's
-decode-shaped dispatch (`dsv4.model.static_step`) for every bucket of token counts
-1, 2, 4, ... up to `max_tokens` at startup (`capture()`), then `main(batch)` /
+`CompiledSteps(model, state, max_tokens, with_mtp)` compiles the model's own
+`forward_batch` / `mtp_forward` (fullgraph) on a static decode dispatch
+(`Batch.static_step`: tensors only, every row short, masks over the whole entry table)
+for every bucket of token counts 1, 2, 4, ... up to `max_tokens` at startup
+(`capture()`); there is no second implementation of any layer. Then `main(batch)` /
 `mtp(batch, hidden)` run a batch padded up to its bucket, or return None when the batch
 does not qualify (a long row, more tokens than the largest bucket, a bucket whose
 capture failed): the caller then runs the eager model, which stays the reference.
@@ -47,7 +49,6 @@ import torch
 from ..model.attention import ROW_MIN
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
-from ..model.static_step import StaticStep
 from ..private_paths import PathError, check_private_dir, check_trusted_chain
 
 log = logging.getLogger("dsv4.compile")
@@ -176,7 +177,8 @@ class CompiledSteps:
                  mode: str | None = None, cache_dir: Path | None = None):
         self.cache_dir = cache_dir  # from private_cache_dir(): checked again before each bucket's compile
         self.model, self.state, self.device = model, state, model.embed.weight.device
-        self.static = StaticStep(model, state)
+        for rope in (model.rope_main, model.rope_compress):  # grown now: the graph reads them as they are
+            rope.ensure(state.max_len + 1)
         self.scratch = state.max_slots - 1
         self.buckets = buckets(max_tokens)
         self.ready: dict[tuple[str, int], bool] = {}  # (main | mtp, bucket) -> captured
@@ -197,9 +199,20 @@ class CompiledSteps:
         # measures it on a GPU, the engine uses the default); on the CPU, CPU_OPTIONS instead
         # (not torch.compile's options=: it leaves freezing off; capture() patches the config)
         self.cpu_options = mode is None and self.device.type == "cpu"
-        self._main = torch.compile(self.static.main, fullgraph=True, dynamic=False, mode=mode)
-        self._mtp = (torch.compile(self.static.mtp, fullgraph=True, dynamic=False, mode=mode)
+        self._main = torch.compile(self._main_step, fullgraph=True, dynamic=False, mode=mode)
+        self._mtp = (torch.compile(self._mtp_step, fullgraph=True, dynamic=False, mode=mode)
                      if model.has_mtp and with_mtp else None)
+
+    def _main_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each main bucket compiles: ids, pos, slots [n] -> (hidden [n, hc, D], logits [n, V])."""
+        return self.model.forward_batch(Batch.static_step(ids, pos, slots, self.state.max_len), self.state)
+
+    def _mtp_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each MTP bucket compiles: (ids, pos, slots [n], hidden [n, hc, D]) -> (z, logits)."""
+        batch = Batch.static_step(ids, pos, slots, self.state.max_len)
+        return self.model.mtp_forward(batch, hidden, self.state)
 
     @torch.inference_mode()
     def capture(self, only: set[tuple[str, int]] | None = None,
@@ -257,6 +270,14 @@ class CompiledSteps:
         finally:
             torch.backends.mkldnn.enabled = onednn
             _PREFER["active"] = False
+
+    def in_use(self) -> dict[str, list[int]]:
+        """The captured buckets that run compiled, by kind: {"main": [1, 2, 4], "mtp": [...]}."""
+        out: dict[str, list[int]] = {"main": [], "mtp": []}
+        for (kind, n), ok in sorted(self.ready.items()):
+            if ok:
+                out[kind].append(n)
+        return out
 
     def _bucket(self, kind: str, batch: Batch) -> int | None:
         T = batch.input_ids.shape[0]

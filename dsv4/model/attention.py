@@ -21,8 +21,8 @@ from torch import nn
 from ..config import CSA, WINDOW, ModelConfig
 from . import parallel
 from .compressor import Compressor, Indexer
-from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, project,
-                     rms_unweighted)
+from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, inverse_rotation,
+                     project, rms_unweighted, rot_rows)
 from .state import Batch, LayerState, flat_rows
 
 
@@ -34,13 +34,14 @@ def window_index(pos: torch.Tensor, slots: torch.Tensor, W: int, ring: int) -> t
     return (slots[:, None] * ring + kpos % ring).flatten(), bias
 
 
-def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor
+def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor, max_pos: int
                ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-    """Compressed entries visible to each query (w < (pos+1) // ratio): their count E (the
-    maximum over queries), the mask [T, E], and the window bias followed by 0 / -inf over
-    them [T, W+E] (all of a query's bias in HCA layers, and in CSA layers while E <= top-k)."""
+    """Compressed entries visible to each query (w < (pos+1) // ratio): their count E (for
+    the highest position `max_pos`: the dispatch's, or the state's last in a static one),
+    the mask [T, E], and the window bias followed by 0 / -inf over them [T, W+E] (all of a
+    query's bias in HCA layers, and in CSA layers while E <= top-k)."""
     limit = (pos + 1) // ratio
-    n = int(limit.max())
+    n = (max_pos + 1) // ratio
     if n == 0:
         return 0, None, None
     visible = torch.arange(n, device=pos.device)[None, :] < limit[:, None]  # [T, E]
@@ -53,7 +54,9 @@ ROW_MIN = 8  # rows with at least this many tokens attend against keys shared by
 
 def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
     """Long rows (slot, start, n, packed offset) and the packed indices of the other tokens
-    (None when there are none)."""
+    (None when there are none, or when every token is short: a static dispatch)."""
+    if batch.static:
+        return [], None
     long_rows, short, off = [], [], 0
     for slot, start, n in batch.rows:
         if n >= ROW_MIN:
@@ -108,7 +111,7 @@ class Attention(nn.Module):
         cfg = self.cfg
         T, H, hd = x.shape[0], self.n_heads, self.head_dim
         pos, slots = batch.positions, batch.slots
-        cis = batch.cached(("rope", id(rope)), lambda: rope.rotation(pos))  # [T, r/2], once per dispatch
+        cis = batch.cached(rope.key, lambda: rope.rotation(pos, batch.top()))  # (C, S) [T, r], once per dispatch
         qa, kv, *xp = project(x, self.fused, self._x_linears())  # xp: compressor, then indexer inputs
 
         qr = self.q_norm(qa)  # [T, q_lora]
@@ -134,10 +137,10 @@ class Attention(nn.Module):
         for slot, start, n, off in long_rows:
             sl = slice(off, off + n)
             hw = head_w[sl] if head_w is not None else None
-            o[sl] = self._attend_row(hw, qr[sl], q[sl], cis[sl], slot, start, n, ls)
+            o[sl] = self._attend_row(hw, qr[sl], q[sl], rot_rows(cis, sl), slot, start, n, ls)
         if short is not None:
             hw = head_w[short] if head_w is not None else None
-            o[short] = self._attend_packed(hw, qr[short], q[short], cis[short], pos[short], slots[short],
+            o[short] = self._attend_packed(hw, qr[short], q[short], rot_rows(cis, short), pos[short], slots[short],
                                            ls, batch, "short")
         return self._out(o, cis, batch, rope)
 
@@ -171,7 +174,7 @@ class Attention(nn.Module):
         keys = flat_rows(ls.win).index_select(0, rows).view(T, W, hd)  # [T, W, hd]
         if self.kind != WINDOW:  # masks shared by every layer of this ratio in the dispatch
             n_ent, visible, full_bias = batch.cached((tag, "entries", self.ratio),
-                                                     lambda: entry_bias(pos, self.ratio, bias))
+                                                     lambda: entry_bias(pos, self.ratio, bias, batch.top()))
             if n_ent > 0:
                 if self.kind == CSA and n_ent > self.indexer.topk:
                     ikeys = ls.idx_entries[:, :n_ent].index_select(0, slots)  # [T, E, di]
@@ -206,7 +209,7 @@ class Attention(nn.Module):
             visible = torch.arange(n, device=x.device)[None, :] < ((i + 1) // self.ratio)[:, None]  # [S, n]
             if self.kind == CSA:
                 ikeys = self.indexer.compressor.pool_dense(xp[3], xp[4], B, S, rope)  # [B, n, di]
-                cb = torch.cat([self.indexer.select(xp[2].view(B, S, -1)[b], qr.view(B, S, -1)[b], cis[:S], ikeys[b],
+                cb = torch.cat([self.indexer.select(xp[2].view(B, S, -1)[b], qr.view(B, S, -1)[b], rot_rows(cis, slice(0, S)), ikeys[b],
                                                     visible) for b in range(B)])
                 cbias = cb.view(B, S, n)
             else:
@@ -222,8 +225,7 @@ class Attention(nn.Module):
     def _out(self, o: torch.Tensor, cis: torch.Tensor, batch: Batch, rope: RopeTable) -> torch.Tensor:
         """Inverse RoPE and the grouped low-rank output projection: [T, H, hd] -> [T, D]."""
         T = o.shape[0]
-        # the conjugate rotations, resolved once per dispatch and table
-        inv = batch.cached(("rope_inv", id(rope)), lambda: cis.conj().resolve_conj())
+        inv = batch.cached(("inverse", rope.key), lambda: inverse_rotation(cis))  # once per dispatch and table
         o = apply_rope(o, inv, inplace=True)
         o = self.wo_a.grouped(o.reshape(T, self.n_groups, -1))  # [T, G, O]
         return parallel.all_reduce(self.wo_b(o.flatten(1)))  # row-parallel: each rank holds G/T groups

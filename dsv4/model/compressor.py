@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import parallel
-from .layers import Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32
+from .layers import Linear, RMSNorm, RopeTable, Rotation, apply_rope, cast, constant, f32
 from .state import Batch, flat_rows
 
 
@@ -43,7 +43,7 @@ class Compressor(nn.Module):
         flat_rows(raw_kv).index_copy_(0, rows, f32(kv))
         ape = f32(self.ape).index_select(0, batch.cached(("mod", m), lambda: pos % m))
         flat_rows(raw_score).index_copy_(0, rows, f32(gate) + ape)
-        key = ("close", m, R, entries.shape[1], self.overlap, id(rope))  # shared by the layers of this ratio
+        key = ("close", m, R, entries.shape[1], self.overlap, rope.key)  # shared by the layers of this ratio
         closes = batch.cached(key, lambda: closed_windows(batch, m, R, entries.shape[1], self.overlap, rope))
         if closes is None:
             return
@@ -72,26 +72,36 @@ class Compressor(nn.Module):
             kv = torch.cat([prev_kv, kv[..., d:]], dim=2)  # [B, n, 2m, d]
             score = torch.cat([prev_sc, score[..., d:]], dim=2)
         pooled = self.norm((kv * score.softmax(dim=2)).sum(dim=2))  # [B, n, d]
-        cis = rope.rotation(torch.arange(n, device=kv.device) * m, max_pos=S)  # [n, r/2]
-        return cast(apply_rope(pooled, cis.expand(B, -1, -1)), dt)
+        C, Sn = rope.rotation(torch.arange(n, device=kv.device) * m, max_pos=S)  # [n, r]
+        return cast(apply_rope(pooled, (C.expand(B, -1, -1), Sn.expand(B, -1, -1))), dt)
 
 
 def closed_windows(batch: Batch, m: int, R: int, E: int, overlap: bool, rope: RopeTable
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Rotation] | None:
     """The windows of `m` tokens this dispatch closes (None if none): the flattened ring
     rows [C * k] each one pools (k = 2m with the overlap, whose rows before position 0
     are `missing` [C, k, 1]), the flattened entry rows [C] it is written to (E entries a
-    slot), and the rotations [C, r/2] at each window's first position."""
+    slot), and the rotations [C, r] at each window's first position.
+
+    The closing tokens come from the host rows. A static dispatch has none to read, so
+    every token pools its window (C = T) and a token that closes none writes its slot's
+    spare last entry row, which no query sees (entries hold max_len // m + 1 rows)."""
     pos, slots = batch.positions, batch.slots
-    close = ((pos + 1) % m == 0).nonzero().squeeze(-1)
-    if close.numel() == 0:
-        return None
-    cs, w = slots[close], pos[close] // m  # [C]
+    if batch.static:
+        cs, w = slots, pos // m
+        dest = torch.where((pos + 1) % m == 0, w, E - 1)
+    else:
+        close = batch.closers(m)
+        if not close:
+            return None
+        close = torch.tensor(close, dtype=torch.long, device=pos.device)
+        cs, w = slots[close], pos[close] // m  # [C]
+        dest = w
     first = w * m
     k = torch.arange(m, device=pos.device)
     p = torch.cat([first[:, None] - m + k, first[:, None] + k], dim=1) if overlap else first[:, None] + k  # [C, k]
     missing = (p < 0).unsqueeze(-1) if overlap else None
-    return (cs[:, None] * R + p % R).flatten(), missing, cs * E + w, rope.rotation(first)
+    return (cs[:, None] * R + p % R).flatten(), missing, cs * E + dest, rope.rotation(first, batch.top())
 
 
 class Indexer(nn.Module):
@@ -105,11 +115,11 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.n_heads)
         self.compressor = Compressor(cfg, ratio, self.head_dim, overlap=True)
 
-    def select(self, head_w: torch.Tensor, qr: torch.Tensor, cis: torch.Tensor, keys: torch.Tensor,
+    def select(self, head_w: torch.Tensor, qr: torch.Tensor, cis: Rotation, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
         """Score keys [T, E, di] (or [E, di] shared by all rows) -> bias [T, E]: 0 on the
         top-k visible entries, -inf elsewhere. `head_w`: weights_proj of the layer input
-        [T, H]; `qr`: the normed query latent; `cis`: the queries' rotations [T, r/2]."""
+        [T, H]; `qr`: the normed query latent; `cis`: the queries' rotations (C, S) [T, r]."""
         T, n_ent = qr.shape[0], visible.shape[-1]
         q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cis, inplace=True)
         if keys.dim() == 3:  # [T, H, di] x [T, E, di] -> [T, H, E]

@@ -86,13 +86,17 @@ class FusedLinear:
     correct but unfused. All the linears must share one storage format.
     """
 
-    def __init__(self, linears: list[nn.Module]):
+    def __init__(self, linears: list[nn.Module], into: dict[str, torch.Tensor] | None = None):
+        """`into` ({"weight": ..., "scale": ...}): storage to fuse into (one expert's slice of
+        the MoE's stacked weights) instead of a new tensor."""
         if len({type(m) for m in linears}) != 1:
             raise ValueError(f"cannot fuse linears of different formats: {[type(m).__name__ for m in linears]}")
+        into = into or {}
         self.first = linears[0]
         self.sizes = [m.weight.shape[0] for m in linears]
-        self.weight = _fuse_rows(linears, "weight")  # [sum(sizes), in]
-        self.scale = _fuse_rows(linears, "scale") if linears[0].scale is not None else None  # [sum(sizes)]
+        self.weight = _fuse_rows(linears, "weight", into.get("weight"))  # [sum(sizes), in]
+        self.scale = (_fuse_rows(linears, "scale", into.get("scale"))
+                      if linears[0].scale is not None else None)  # [sum(sizes)]
         self._ends = (self.weight.data_ptr(), self.weight[sum(self.sizes) - self.sizes[-1]:].data_ptr())
 
     def current(self, linears: list[nn.Module]) -> bool:
@@ -104,25 +108,43 @@ class FusedLinear:
         return out.split_with_sizes(self.sizes, dim=-1)
 
 
-def _fuse_rows(linears: list[nn.Module], attr: str) -> torch.Tensor:
-    """Concatenate the modules' `attr` tensors along rows and make each one a view of its rows."""
+def _fuse_rows(linears: list[nn.Module], attr: str, into: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate the modules' `attr` tensors along rows (into `into` when given) and make
+    each one a view of its rows."""
     with torch.no_grad():
-        fused = torch.cat([getattr(m, attr).detach() for m in linears])
+        parts = [getattr(m, attr).detach() for m in linears]
+        fused = torch.cat(parts) if into is None else torch.cat(parts, out=into)
     off = 0
     for m in linears:
-        t = getattr(m, attr)
-        n = t.shape[0]
-        if isinstance(t, nn.Parameter):
-            t.data = fused[off:off + n]
-        else:
-            setattr(m, attr, fused[off:off + n])  # a registered buffer
+        n = getattr(m, attr).shape[0]
+        _repoint(m, attr, fused[off:off + n])
         off += n
     return fused
+
+
+def stack_views(mods: list[nn.Module], attr: str) -> torch.Tensor:
+    """The modules' `attr` tensors stacked [len(mods), ...], each becoming a view of its slice."""
+    with torch.no_grad():
+        stacked = torch.stack([getattr(m, attr).detach() for m in mods])
+    for i, m in enumerate(mods):
+        _repoint(m, attr, stacked[i])
+    return stacked
+
+
+def _repoint(m: nn.Module, attr: str, view: torch.Tensor) -> None:
+    """Make m's parameter or buffer `attr` the tensor `view` (same values, new storage)."""
+    t = getattr(m, attr)
+    if isinstance(t, nn.Parameter):
+        t.data = view
+    else:
+        setattr(m, attr, view)  # a registered buffer
 
 
 def project(x: torch.Tensor, fused: FusedLinear | None, linears: list[nn.Module]) -> tuple[torch.Tensor, ...]:
     """The outputs of `linears` on x: one matmul when they are fused (and the fusion is
     current, and no gradient is wanted), else one each."""
+    if fused is not None and torch.compiler.is_compiling():  # inference; the check reads data pointers
+        return fused(x)
     if (fused is not None and fused.current(linears)
             and not (torch.is_grad_enabled() and linears[0].weight.requires_grad)):
         return fused(x)
@@ -176,59 +198,84 @@ def constant(value: float, device: torch.device) -> torch.Tensor:
     key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
+        if torch.compiler.is_compiling():  # a constant of the graph (cached by the first eager call)
+            return torch.tensor(value, dtype=torch.float32, device=device)
         with torch.inference_mode(False):
             t = _CONSTANTS[key] = torch.tensor(value, dtype=torch.float32, device=device)
     return t
 
 
-class RopeTable(nn.Module):
-    """Rotations e^{i pos f} of interleaved RoPE for one base (and optional YaRN), grown on demand.
+Rotation = tuple[torch.Tensor, torch.Tensor]  # (C, S) [T, r]: see `RopeTable.rotation`
 
-    `rotation(pos)` takes absolute positions [T] and returns complex64 [T, rope_dim // 2].
+
+class RopeTable(nn.Module):
+    """Rotations of interleaved RoPE for one base (and optional YaRN), as real tables.
+
+    `rotation(pos)` takes absolute positions [T] and returns (C, S), each [T, rope_dim]:
+    C = (cos f0, cos f0, cos f1, cos f1, ...), S = (-sin f0, sin f0, -sin f1, sin f1, ...),
+    so that `apply_rope` is x * C + swap_pairs(x) * S: the complex product
+    (a + ib) e^{i pos f} in real arithmetic (no complex dtype: a compiler takes it whole).
+    The tables grow on demand; a compiled caller grows them first (`ensure`) and passes
+    the highest position, so that nothing is read back from the device.
     """
 
     def __init__(self, rope_dim: int, base: float, yarn: YarnParams | None):
         super().__init__()
+        self.key = ("rope", base, yarn is not None)  # names this table in a dispatch's memo
         self.register_buffer("inv_freq", yarn_inv_freq(rope_dim, base, yarn), persistent=False)
-        self.register_buffer("cis", torch.empty(0, rope_dim // 2, dtype=torch.complex64), persistent=False)
+        empty = torch.empty(0, rope_dim)
+        self.register_buffer("cos2", empty, persistent=False)
+        self.register_buffer("sin2", empty.clone(), persistent=False)
 
-    def _grow(self, n: int) -> None:
-        n = max(n, 2 * self.cis.shape[0], 256)
-        with torch.inference_mode(False):  # ordinary tensors, usable by training too
-            freqs = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq.clone()
-            self.cis = torch.complex(freqs.cos(), freqs.sin())
+    def ensure(self, n: int) -> None:
+        """Hold the rotations of positions 0..n-1 at least."""
+        if n > self.cos2.shape[0]:
+            n = max(n, 2 * self.cos2.shape[0], 256)
+            with torch.inference_mode(False):  # ordinary tensors, usable by training too
+                freqs = torch.arange(n, device=self.inv_freq.device, dtype=torch.float32)[:, None] * self.inv_freq.clone()
+                sign = torch.tensor([-1.0, 1.0], device=freqs.device)
+                self.cos2 = freqs.cos().repeat_interleave(2, dim=-1)  # [n, r]
+                self.sin2 = (freqs.sin()[:, :, None] * sign).flatten(1)  # [n, r]
 
-    def rotation(self, pos: torch.Tensor, max_pos: int | None = None) -> torch.Tensor:
-        need = (int(pos.max()) if max_pos is None else max_pos) + 1 if pos.numel() else 0
-        if need > self.cis.shape[0]:
-            self._grow(need)
-        return self.cis[pos]
+    def rotation(self, pos: torch.Tensor, max_pos: int | None = None) -> Rotation:
+        """(C, S) [T, r] at positions pos [T]; `max_pos` (the highest, if the caller knows it)
+        spares a read of pos back to the host."""
+        if pos.numel():
+            self.ensure((int(pos.max()) if max_pos is None else max_pos) + 1)
+        return self.cos2.index_select(0, pos), self.sin2.index_select(0, pos)
 
 
-def apply_rope(x: torch.Tensor, cis: torch.Tensor, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
-    """Rotate the trailing 2*cis.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1])
+def rot_rows(rot: Rotation, idx) -> Rotation:
+    """The rotations of some tokens (an index or slice of the token axis)."""
+    return rot[0][idx], rot[1][idx]
+
+
+def inverse_rotation(rot: Rotation) -> Rotation:
+    """The conjugate rotations (applied to the attention output)."""
+    return rot[0], -rot[1]
+
+
+def apply_rope(x: torch.Tensor, rot: Rotation, inverse: bool = False, inplace: bool = False) -> torch.Tensor:
+    """Rotate the trailing r = C.shape[-1] dims of x as interleaved pairs (x[2i], x[2i+1])
     read as complex numbers: out = x * e^{i pos f} (the conjugate when `inverse`, used on
-    the attention output).
+    the attention output), computed in float32 as x * C + swap_pairs(x) * S.
 
-    x: [T, ..., d]; cis: complex [T, r/2] (broadcast over the middle dims). With
-    `inplace` (for callers that own a fresh x) the rotation is written into x unless
-    autograd tracks it; the arithmetic is the same either way.
+    x: [T, ..., d]; rot: (C, S) [T, r] (broadcast over the middle dims). With `inplace`
+    (for callers that own a fresh x) the rotation is written into x unless autograd tracks
+    it; the arithmetic is the same either way.
     """
-    half = cis.shape[-1]
-    if cis.dim() < x.dim():
-        cis = cis.view(cis.shape[0], *([1] * (x.dim() - cis.dim())), half)
-    if inverse:
-        cis = cis.conj()
-    tail = x[..., -2 * half:]
+    C, S = inverse_rotation(rot) if inverse else rot
+    r = C.shape[-1]
+    if C.dim() < x.dim():
+        shape = (C.shape[0], *([1] * (x.dim() - C.dim())), r)
+        C, S = C.view(shape), S.view(shape)
+    tail = f32(x[..., -r:])
+    swapped = tail.unflatten(-1, (r // 2, 2)).flip(-1).flatten(-2)  # (b0, a0, b1, a1, ...)
+    out = tail * C + swapped * S
     if inplace and not (x.requires_grad and torch.is_grad_enabled()):
-        if tail.dtype == torch.float32:
-            torch.view_as_complex(tail.unflatten(-1, (half, 2))).mul_(cis)
-        else:
-            tail.copy_(torch.view_as_real(torch.view_as_complex(f32(tail).unflatten(-1, (half, 2))) * cis).flatten(-2))
+        x[..., -r:].copy_(out)
         return x
-    rope = torch.view_as_complex(f32(tail).reshape(*x.shape[:-1], half, 2))
-    out = torch.view_as_real(rope * cis).flatten(-2)
-    return torch.cat([x[..., : -2 * half], cast(out, x.dtype)], dim=-1)
+    return torch.cat([x[..., :-r], cast(out, x.dtype)], dim=-1)
 
 
 def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -242,6 +289,8 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     row's result does not depend on the batch it rides in.
     """
     c = torch.softmax(c, dim=-1)
+    if torch.compiler.is_compiling():  # tensor ops only; on the CPU the same float64 arithmetic
+        return _sinkhorn_unrolled(c, iters, eps) if c.device.type == "cpu" else _sinkhorn_tensor(c, iters, eps)
     if c.device.type == "cpu" and not c.requires_grad:
         if c.shape[-1] == 4 and c.shape[0] <= SINKHORN_PY_MAX:
             flat = c.flatten().tolist()
@@ -257,12 +306,36 @@ def sinkhorn(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
                 a /= a.sum(-1, keepdims=True) + eps
                 a /= a.sum(-2, keepdims=True) + eps
         return torch.from_numpy(a).to(c.dtype)
+    return _sinkhorn_tensor(c, iters, eps)
+
+
+def _sinkhorn_tensor(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn`'s iterations with torch's reductions (autograd, GPUs)."""
     c = c + eps
     c = c / (c.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         c = c / (c.sum(dim=-1, keepdim=True) + eps)
         c = c / (c.sum(dim=-2, keepdim=True) + eps)
     return c
+
+
+def _sinkhorn_unrolled(c: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn`'s iterations as float64 tensor ops, each sum unrolled left to right: the
+    IEEE operations of the Python and numpy paths in the same order (so the same bits),
+    in a form a compiler takes whole (the compiled decode step). [T, hc, hc] -> c's dtype."""
+    a = c.double() + eps
+    hc = a.shape[-1]
+    for it in range(max(iters, 1)):  # like the other paths, the columns are normalised at least once
+        if it:  # rows
+            s = a[:, :, 0:1]
+            for j in range(1, hc):
+                s = s + a[:, :, j:j + 1]
+            a = a / (s + eps)
+        s = a[:, 0:1, :]  # columns
+        for i in range(1, hc):
+            s = s + a[:, i:i + 1, :]
+        a = a / (s + eps)
+    return a.to(c.dtype)
 
 
 SINKHORN_PY_MAX = 2  # up to this many matrices, unrolled Python beats numpy's per-call overhead
@@ -365,6 +438,8 @@ def _scale_index(hc: int, device: torch.device) -> torch.Tensor:
     """Which of the three mHC scales each of the (2 + hc) * hc mixes takes: [0]*hc + [1]*hc + [2]*hc*hc."""
     key = (hc, device)
     if key not in _SCALE_INDEX:
+        if torch.compiler.is_compiling():
+            return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
         with torch.inference_mode(False):  # an ordinary tensor, usable by training too
             _SCALE_INDEX[key] = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
     return _SCALE_INDEX[key]

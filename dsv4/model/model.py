@@ -26,7 +26,7 @@ from ..config import WINDOW, ModelConfig
 from .attention import Attention
 from . import parallel
 from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
-from .moe import Expert, MoE
+from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
 
@@ -104,7 +104,7 @@ class DeepseekV4(nn.Module):
         the fused weights, so memory does not grow and `state_dict()` is unchanged.
         Call it once the model is on its device (`load_model` does)."""
         for mod in self.modules():
-            if isinstance(mod, (Attention, Expert)):
+            if isinstance(mod, (Attention, MoE)):  # MoE: its experts, stacked
                 mod.fuse()
         return self
 
@@ -134,7 +134,8 @@ class DeepseekV4(nn.Module):
         `state` None the batch must be `Batch.whole(...)` (stateless, dense attention).
         """
         if state is not None:
-            state.begin(batch)
+            if not batch.static:  # a static dispatch's caller did the bookkeeping (host work)
+                state.begin(batch)
         elif batch.dense is None:
             raise ValueError("a stateless dispatch needs Batch.whole(input_ids)")
         h = self.embed(batch.input_ids)  # [T, D]
@@ -153,7 +154,7 @@ class DeepseekV4(nn.Module):
         if self.mtp is None:
             raise RuntimeError("this checkpoint has no MTP weights")
         mtp: MTPBlock = self.mtp[0]
-        if state is not None:
+        if state is not None and not batch.static:
             state.begin(batch, mtp=True)
         e = mtp.enorm(self.embed(batch.input_ids))  # [T, D]
         z = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hidden))  # [T, hc, D]

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import parallel
-from .layers import FusedLinear, Linear, cast, constant, f32, linear, project
+from . import kernels
+from .layers import FusedLinear, Linear, cast, constant, f32, linear, project, stack_views
 
 
 class Expert(nn.Module):
@@ -27,9 +28,9 @@ class Expert(nn.Module):
         self.limit = limit
         self.fused: FusedLinear | None = None
 
-    def fuse(self) -> None:
-        """Inference: w1 and w3 as one matmul (see `FusedLinear`)."""
-        self.fused = FusedLinear([self.w1, self.w3])
+    def fuse(self, into: dict[str, torch.Tensor] | None = None) -> None:
+        """Inference: w1 and w3 as one matmul (see `FusedLinear`), in `into` when given."""
+        self.fused = FusedLinear([self.w1, self.w3], into)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         g, u = (f32(t) for t in project(x, self.fused, [self.w1, self.w3]))
@@ -76,6 +77,29 @@ class MoE(nn.Module):
         self.shared_experts = (Expert(cfg.hidden_size, inter * cfg.n_shared_experts, cfg.swiglu_limit)
                                if cfg.n_shared_experts else None)
         self.local = range(cfg.n_routed_experts)  # the experts this rank holds (sharding.shard_model)
+        self.stacked: dict[str, torch.Tensor] | None = None  # fuse(): the local experts' weights, stacked
+
+    def fuse(self) -> None:
+        """Inference: each expert's w1/w3 as one matmul, and the local experts' weights stacked
+        (w13 [E, 2I, D], w2 [E, D, I], and their row scales when int8) with every expert's
+        tensors views of them, for the traced decode MoE (`gathered`): no memory grows."""
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()
+        local = [self.experts[e] for e in self.local]
+        if not local:
+            return
+        w1 = local[0].w1
+        (I, D), quant = w1.weight.shape, w1.scale is not None
+        dev = w1.weight.device
+        st = {"w13": torch.empty(len(local), 2 * I, D, dtype=w1.weight.dtype, device=dev)}
+        if quant:
+            st["s13"] = torch.empty(len(local), 2 * I, dtype=w1.scale.dtype, device=dev)
+        for i, ex in enumerate(local):
+            ex.fuse({"weight": st["w13"][i], **({"scale": st["s13"][i]} if quant else {})})
+        st["w2"] = stack_views([ex.w2 for ex in local], "weight")
+        if quant:
+            st["s2"] = stack_views([ex.w2 for ex in local], "scale")
+        self.stacked = st
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]: the shared expert, plus each routed expert's
@@ -88,6 +112,8 @@ class MoE(nn.Module):
             out = f32(self.shared_experts(x))  # [T, D] float32, fresh: the accumulator
         else:
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if torch.compiler.is_compiling():  # no host reads: the experts' weights gathered per token
+            return cast(parallel.all_reduce(gathered(out, x, weights, idx, self)), x.dtype)
         if x.shape[0] == 1:  # decode of one token: no grouping needed
             for j, e in sorted(enumerate(idx[0].tolist()), key=lambda je: je[1]):
                 if e in local:
@@ -105,3 +131,84 @@ class MoE(nn.Module):
                 out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
             start += c
         return cast(parallel.all_reduce(out), x.dtype)
+
+
+# The traced MoE gathers the chosen experts' weights while tokens x top-k <= GATHER_MAX x
+# experts, else runs every local expert densely (zero weights for the unchosen). Measured
+# on the embedded model (8 experts, top-2, 1 thread, docs/benchmark-log.md section 4):
+# gathering made the compiled 8-token step 0.42x of eager instead of 0.86x (dense).
+GATHER_MAX = 4
+
+
+def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, moe: MoE) -> torch.Tensor:
+    """`MoE.forward`'s routed shares without host reads (the compiled decode step): out
+    [T, D] float32 plus, for each token, its chosen local experts' shares added in
+    increasing expert order (as the eager path adds them), from the stacked weights.
+    x [T, D]; weights, idx [T, k]. Same arithmetic per (token, expert) as `Expert.forward`:
+    the int8 experts quantise x once per token and h once per (token, expert)."""
+    st = moe.stacked
+    if st is None:
+        raise RuntimeError("the traced MoE needs fused experts (DeepseekV4.fuse_projections)")
+    lo, E = moe.local.start, len(moe.local)
+    idx, perm = idx.sort(dim=-1)
+    weights = weights.gather(1, perm)
+    if E != len(moe.experts):  # expert parallelism: other ranks' experts weigh nothing here
+        mine = (idx >= lo) & (idx < lo + E)
+        weights, idx = weights.masked_fill(~mine, 0.0), (idx - lo).clamp(0, E - 1)
+    T, k = idx.shape
+    lim = moe.experts[lo].limit
+    if T * k > GATHER_MAX * E:  # every expert, densely: zero weight for the unchosen
+        dense = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
+        gu = _expert_in(x, st, None)  # [T, E, 2I]
+        h = _swiglu(gu, lim) * dense.unsqueeze(-1)  # [T, E, I]
+        y = _expert_out(cast(h, x.dtype), st, None)  # [T, E, D]
+        for e in range(E):
+            out = out + f32(y[:, e])
+        return out
+    gu = _expert_in(x, st, idx)  # [T, k, 2I]
+    h = _swiglu(gu, lim) * weights.unsqueeze(-1)  # [T, k, I]
+    y = _expert_out(cast(h, x.dtype), st, idx)  # [T, k, D]
+    for j in range(k):
+        out = out + f32(y[:, j])
+    return out
+
+
+def _swiglu(gu: torch.Tensor, lim: float) -> torch.Tensor:
+    """[..., 2I] (w1 x, w3 x) -> silu(min(g, L)) * clamp(u, -L, L) [..., I] float32."""
+    g, u = f32(gu).chunk(2, dim=-1)
+    if lim > 0:
+        g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+    return F.silu(g) * u
+
+
+def _expert_in(x: torch.Tensor, st: dict[str, torch.Tensor], idx: torch.Tensor | None) -> torch.Tensor:
+    """x [T, D] through w1/w3 of experts idx [T, k] -> [T, k, 2I] (idx None: all E -> [T, E, 2I])."""
+    w = st["w13"]
+    E, N, D = w.shape
+    if "s13" not in st:
+        if idx is None:
+            return linear(x, w.view(E * N, D)).view(-1, E, N)
+        return (x[:, None, None, :] * w[idx]).sum(-1)  # the weights are read once, inside the reduction
+    xq, xs = kernels.quantize_tokens(x)  # once per token, as the fused w1/w3 of one expert does
+    if idx is None:
+        acc = kernels.int_mm(xq, w.view(E * N, D)).view(-1, E, N)
+        return (acc.float() * xs.unsqueeze(-1) * st["s13"]).to(x.dtype)
+    acc = (xq[:, None, None, :].to(torch.int32) * w[idx].to(torch.int32)).sum(-1)  # exact, as int_mm
+    return (acc.float() * xs.unsqueeze(-1) * st["s13"][idx]).to(x.dtype)
+
+
+def _expert_out(h: torch.Tensor, st: dict[str, torch.Tensor], idx: torch.Tensor | None) -> torch.Tensor:
+    """h [T, k, I] through w2 of experts idx [T, k] -> [T, k, D] (idx None: h [T, E, I], all E)."""
+    w = st["w2"]
+    if "s2" not in st:
+        if idx is None:
+            return torch.bmm(h.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        return (h[:, :, None, :] * w[idx]).sum(-1)
+    T, n, I = h.shape  # n: k chosen, or all E
+    hq, hs = kernels.quantize_tokens(h.reshape(T * n, I))  # per (token, expert) row, as w2 alone does
+    hq, hs = hq.view(T, n, I), hs.view(T, n, 1)
+    if idx is None:
+        acc = torch.stack([kernels.int_mm(hq[:, e], w[e]) for e in range(n)], dim=1)
+        return (acc.float() * hs * st["s2"]).to(h.dtype)
+    acc = (hq[:, :, None, :].to(torch.int32) * w[idx].to(torch.int32)).sum(-1)
+    return (acc.float() * hs * st["s2"][idx]).to(h.dtype)

@@ -37,13 +37,22 @@ from ..config import CSA, WINDOW, ModelConfig
 
 @dataclass
 class Batch:
-    """One dispatch: rows of consecutive positions, packed along a token axis T."""
+    """One dispatch: rows of consecutive positions, packed along a token axis T.
+
+    Two kinds: built from host rows (`build`, `whole`), which carry what the model would
+    otherwise read back from the device (the highest position, which tokens close a
+    compressor window); or `static` (the compiled decode step): tensors only, every row
+    short, the state's bookkeeping done by the caller, and shapes that depend on the
+    token count alone (masks over the whole entry table, every token pooling its window).
+    """
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long, absolute
     slots: torch.Tensor  # [T] long
-    rows: list[tuple[int, int, int]]  # (slot, start, n) per row, in packing order
+    rows: list[tuple[int, int, int]]  # (slot, start, n) per row, in packing order ([] when static)
     dense: tuple[int, int] | None = None  # (B, S) for stateless whole sequences from position 0
+    max_pos: int | None = None  # the highest position (static: the state's last), None: read from positions
+    static: bool = False
     memo: dict = field(default_factory=dict, repr=False)  # per-dispatch values shared by all layers
 
     def cached(self, key, fn):
@@ -57,6 +66,22 @@ class Batch:
         slot * size + position % size [T] (once per dispatch and ring size)."""
         return self.cached(("ring_rows", size), lambda: self.slots * size + self.positions % size)
 
+    def top(self) -> int:
+        """The highest position of the dispatch (-1 when empty)."""
+        if self.max_pos is None:
+            self.max_pos = int(self.positions.max()) if self.positions.numel() else -1
+        return self.max_pos
+
+    def closers(self, m: int) -> list[int]:
+        """Packed indices of the tokens that close a window of `m` positions ((p + 1) % m == 0),
+        from the host rows."""
+        out, off = [], 0
+        for _, start, n in self.rows:
+            first = -(-(start + 1) // m) * m - 1  # the first closing position >= start
+            out.extend(range(off + first - start, off + n, m))
+            off += n
+        return out
+
     @classmethod
     def whole(cls, input_ids: torch.Tensor) -> "Batch":
         """B whole sequences [B, S] from position 0, for the stateless (dense) path."""
@@ -64,7 +89,7 @@ class Batch:
         dev = input_ids.device
         pos = torch.arange(S, device=dev).repeat(B)
         slots = torch.arange(B, device=dev).repeat_interleave(S)
-        return cls(input_ids.reshape(-1), pos, slots, [(b, 0, S) for b in range(B)], (B, S))
+        return cls(input_ids.reshape(-1), pos, slots, [(b, 0, S) for b in range(B)], (B, S), max_pos=S - 1)
 
     @classmethod
     def build(cls, rows: list[tuple[int, int, list[int]]], device: torch.device | str = "cpu") -> "Batch":
@@ -78,7 +103,14 @@ class Batch:
             slots.extend([slot] * n)
             meta.append((slot, start, n))
         t = lambda v: torch.tensor(v, dtype=torch.long, device=device)  # noqa: E731
-        return cls(t(ids), t(pos), t(slots), meta)
+        return cls(t(ids), t(pos), t(slots), meta, max_pos=max(pos, default=-1))
+
+    @classmethod
+    def static_step(cls, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                    max_len: int) -> "Batch":
+        """A compiled decode dispatch: tensors [T] of short rows in a state of `max_len`
+        positions (whose bookkeeping, `ModelState.begin`, the caller has done)."""
+        return cls(input_ids, positions, slots, [], max_pos=max_len - 1, static=True)
 
 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:

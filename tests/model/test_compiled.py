@@ -184,7 +184,7 @@ def test_failed_capture_names_its_bucket_and_runs_eager():
     def main(ids, pos, slots):
         if ids.shape[0] == 2:
             raise RuntimeError("C++ compile error\nmore")
-        return steps.static.main(ids, pos, slots)
+        return steps._main_step(ids, pos, slots)
 
     steps._main = main
     steps.capture()

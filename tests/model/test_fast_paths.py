@@ -9,7 +9,9 @@ import torch
 from dsv4.model import layers
 from dsv4.model.layers import apply_rope, sinkhorn
 from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.moe import GATHER_MAX, gathered
 from dsv4.model.state import Batch
+from dsv4.model.w8a8 import to_w8a8
 from tests.model.tiny import tiny_config
 
 pytestmark = pytest.mark.exact  # also run under other CPU kernels (test.sh)
@@ -98,25 +100,57 @@ def test_sinkhorn_row_does_not_depend_on_batch(T):
         assert torch.equal(sinkhorn(c[i:i + 1], 20, 1e-6)[0], many[i])  # Python path
 
 
+def _rotation(T: int, r: int, seed: int = 0) -> tuple[layers.Rotation, torch.Tensor]:
+    """Rotations of T random positions for r rotary dims, and the same as complex64 [T, r/2]."""
+    table = layers.RopeTable(r, 10000.0, None)
+    pos = torch.randint(0, 5000, (T,), generator=torch.Generator().manual_seed(seed))
+    rot = table.rotation(pos)
+    angles = pos[:, None].float() * table.inv_freq
+    return rot, torch.polar(torch.ones_like(angles), angles)
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_is_the_complex_product(inverse):
+    """The real-table RoPE is x * e^{i pos f} on interleaved pairs (its conjugate when inverse)."""
+    rot, cis = _rotation(5, 8)
+    x = torch.randn(5, 3, 16, generator=torch.Generator().manual_seed(1))
+    pairs = torch.view_as_complex(x[..., 8:].reshape(5, 3, 4, 2).contiguous())
+    ref = torch.view_as_real(pairs * (cis.conj() if inverse else cis).unsqueeze(1)).flatten(-2)
+    got = apply_rope(x, rot, inverse)
+    assert torch.equal(got[..., :8], x[..., :8])
+    assert torch.allclose(got[..., 8:], ref, atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inverse", [False, True])
 def test_inplace_rope_equals_out_of_place(dtype, inverse):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 3, 16, generator=g).to(dtype)
-    cis = torch.polar(torch.ones(5, 4), torch.rand(5, 4, generator=g) * 6)
-    ref = apply_rope(x, cis, inverse)
+    rot, _ = _rotation(5, 8)
+    ref = apply_rope(x, rot, inverse)
     with torch.inference_mode():
-        got = apply_rope(x.clone(), cis, inverse, inplace=True)
+        got = apply_rope(x.clone(), rot, inverse, inplace=True)
     assert torch.equal(got, ref)
     assert torch.equal(got[..., :8], x[..., :8])  # the non-rotary dims are untouched
 
 
 def test_inplace_rope_keeps_autograd():
     x = torch.randn(2, 8, requires_grad=True)
-    cis = torch.polar(torch.ones(2, 2), torch.rand(2, 2))
-    y = apply_rope(x * 1.0, cis, inplace=True)  # tracked: falls back to out-of-place
+    rot, _ = _rotation(2, 4)
+    y = apply_rope(x * 1.0, rot, inplace=True)  # tracked: falls back to out-of-place
     y.sum().backward()
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_traced_sinkhorn_is_the_eager_one_bitwise(T):
+    """The compiled step's Sinkhorn (tensor ops, unrolled float64 sums) computes the same bits
+    as the eager Python and numpy paths."""
+    g = torch.Generator().manual_seed(T)
+    for scale in (0.1, 1.0, 5.0):
+        c = torch.randn(T, 4, 4, generator=g) * scale
+        unrolled = layers._sinkhorn_unrolled(torch.softmax(c, dim=-1), 20, 1e-6)
+        assert torch.equal(unrolled, sinkhorn(c, 20, 1e-6))
 
 
 def test_single_token_moe_equals_grouped():
@@ -128,3 +162,23 @@ def test_single_token_moe_equals_grouped():
         grouped = moe(x, ids)
         single = torch.cat([moe(x[i:i + 1], ids[i:i + 1]) for i in range(3)])
     assert torch.allclose(grouped, single, atol=1e-6, rtol=1e-6)  # a few float32 ulps: matmuls of 1 and 3 rows
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("T", [1, 3, 40])  # 40 x top-2 > GATHER_MAX x 8 experts: the dense form
+def test_traced_moe_equals_eager(quantized, T):
+    """The compiled step's MoE (`gathered`: the chosen experts' stacked weights, no host reads)
+    adds the same shares as the eager grouped MoE, float32 and int8."""
+    model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    if quantized:
+        to_w8a8(model)
+    model.fuse_projections()
+    moe = model.layers[1].ffn  # a score-routed layer
+    assert (T * moe.gate.k > GATHER_MAX * len(moe.experts)) == (T == 40)
+    x = torch.randn(T, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 100, (T,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = moe(x, ids)
+        weights, idx = moe.gate(x, ids)
+        got = gathered(layers.f32(moe.shared_experts(x)), x, weights, idx, moe)
+    assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
