@@ -145,8 +145,6 @@ class Engine:
         try:
             if c.tensor_parallel_size > 1:
                 raise CompileUnavailable("not with --tensor-parallel-size > 1 yet")
-            if c.quantization != "none" or c.dtype != "float32":
-                raise CompileUnavailable("only float32 weights (--dtype float32, --quantization none) for now")
             cache = private_cache_dir()
             check_backend(self.device)
         except CompileUnavailable as e:
@@ -309,9 +307,17 @@ class Engine:
         return out
 
     # ------------------------------------------------------------------ status
+    def compiled_buckets(self) -> dict[str, list[int]]:
+        """The decode buckets that run compiled now ({"main": [], "mtp": []} when eager)."""
+        steps = self.runner.compiled
+        return steps.in_use() if steps is not None else {"main": [], "mtp": []}
+
     def status(self) -> dict[str, Any]:
         s = self.scheduler
+        buckets = self.compiled_buckets()
         return {
+            "compiled": bool(buckets["main"] or buckets["mtp"]),
+            "compiled_buckets": buckets,
             "model": self.config.model,
             "device": str(self.device),
             "dtype": self.config.dtype,
