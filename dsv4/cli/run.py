@@ -284,7 +284,9 @@ class Output:
         usage = f.get("usage") or {"prompt_tokens": None, "completion_tokens": len(self.token_ids)}
         return {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": f.get("finish_reason"),
                 "error": f.get("error"), "usage": usage, "timings": self.timings(),
-                "server_timings": f.get("timings"), "spec": spec}
+                "server_timings": f.get("timings"), "spec": spec,
+                # what ran compiled (--compile); null from a daemon older than these keys
+                "compiled": f.get("compiled"), "compiled_buckets": f.get("compiled_buckets")}
 
     def loaded(self) -> None:
         """--local: the model is loaded; timings start now (load time is reported apart)."""

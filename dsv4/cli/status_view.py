@@ -11,7 +11,7 @@ from typing import Any
 
 KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "uptime_s", "running", "waiting",
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
-         "memory_rss_bytes"}
+         "memory_rss_bytes", "compiled", "compiled_buckets"}
 
 
 def _bytes(n: Any) -> str:
@@ -38,6 +38,15 @@ def _uptime(s: Any) -> str:
     h, rest = divmod(rest, 3600)
     m, sec = divmod(rest, 60)
     return (f"{d} d " if d else "") + f"{h:02d}:{m:02d}:{sec:02d}"
+
+
+def _compiled(st: dict[str, Any]) -> str:
+    """What runs compiled: "decode buckets 1, 2, 4 (main), 1, 2 (mtp)", or "no (eager)"."""
+    b = st.get("compiled_buckets")
+    if not isinstance(b, dict):
+        return "-"  # a daemon older than the key
+    parts = [f"{', '.join(str(n) for n in b.get(kind) or [])} ({kind})" for kind in ("main", "mtp") if b.get(kind)]
+    return "decode buckets " + ", ".join(parts) if parts else "no (eager)"
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -68,6 +77,7 @@ def status_lines(st: dict[str, Any]) -> list[str]:
                    f"up {_uptime(up)}, {st.get('endpoint')}"),
         ("model", f"{st.get('model')} (vocabulary {st.get('vocab_size')}), {st.get('device')} {st.get('dtype')}, "
                   f"MTP K = {st.get('num_speculative_tokens')}"),
+        ("compiled", _compiled(st)),
         ("requests", f"{st.get('running')} running, {st.get('waiting')} waiting, {st.get('in_flight')} in flight "
                      f"from {st.get('clients')} client(s); {t.get('requests', 0)} finished"),
         ("tokens", f"{usage.get('prompt_tokens', 0)} prompt, {usage.get('completion_tokens', 0)} generated"),

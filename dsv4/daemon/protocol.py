@@ -11,8 +11,8 @@ Client -> daemon                              daemon -> client
                                                             message_limit_reason}
     status                                        status   {status: map}
     generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces]}  (streamed)
-              params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec}
-              client}
+              params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec,
+              client}                                       compiled, compiled_buckets}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
     shutdown                                      error    {code, message}  (id null when unknown)
 
@@ -30,7 +30,10 @@ first frame is KEY_PREFIX + key, compared in constant time before anything else 
 read; anything else gets an `unauthorized` error and nothing more. A daemon without a
 key ignores such a key frame.
 `sources` names, per new token, how it was produced: "draft" (accepted MTP draft) or
-"target". A client sends any message (usually `ping`) at least every
+"target". A final's `compiled` says whether decode steps run compiled (`--compile`) and
+`compiled_buckets` which token counts do, {main: [1, 2, 4], mtp: [1, 2]} (empty lists
+when eager); like usage, timings and spec they are nil in a final that has no metrics (a
+cancelled or failed request). A client sends any message (usually `ping`) at least every
 HEARTBEAT_INTERVAL_S while it waits; the daemon cancels the requests of a client it
 has not heard from for HEARTBEAT_TIMEOUT_S, and of one it can no longer reach. The
 daemon answers pings during long engine steps too (its step watch).
@@ -271,7 +274,8 @@ def final(rid: str, finish_reason: str | None, error: str | None = None,
           metrics: dict[str, Any] | None = None) -> dict[str, Any]:
     m = metrics or {}
     return _reply("final", rid, finish_reason=finish_reason, error=error, usage=m.get("usage"),
-                  timings=m.get("timings"), spec=m.get("spec"))
+                  timings=m.get("timings"), spec=m.get("spec"), compiled=m.get("compiled"),
+                  compiled_buckets=m.get("compiled_buckets"))
 
 
 def output_messages(rid: str, out: Any, detok: Any = None) -> list[dict[str, Any]]:

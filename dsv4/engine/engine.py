@@ -303,6 +303,8 @@ class Engine:
             # the K in use when it finished (auto: the latest choice; fixed: the configured K)
             out.metrics["spec"].update(num_speculative_tokens=self.runner.k_draft if req.num_spec else 0,
                                        speculative_auto=self.policy is not None and req.num_spec > 0)
+            buckets = self.compiled_buckets()  # what ran compiled (a bucket whose capture failed runs eager)
+            out.metrics.update(compiled=bool(buckets["main"] or buckets["mtp"]), compiled_buckets=buckets)
             del self._tracks[req.request_id]
         return out
 

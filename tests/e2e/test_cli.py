@@ -69,6 +69,7 @@ def test_json_has_every_field(daemon: Daemon) -> None:
     assert out["spec"]["drafted"] > 0  # the shared daemon runs K = 1
     assert 0 <= out["spec"]["accepted"] <= out["spec"]["drafted"]
     assert out["spec"]["num_speculative_tokens"] == 1 and out["spec"]["speculative_auto"] is False
+    assert out["compiled"] is False and out["compiled_buckets"] == {"main": [], "mtp": []}  # no --compile
 
 
 def test_auto_k_is_the_default_and_reported(tiny_model: Path) -> None:
@@ -76,8 +77,10 @@ def test_auto_k_is_the_default_and_reported(tiny_model: Path) -> None:
     says so and which K was in use."""
     r = dsv4("run", "--local", "--model", str(tiny_model), "--json", "--max-tokens", "8", "--ignore-eos", PROMPT)
     assert r.returncode == 0, r.stderr
-    spec = json.loads(r.stdout)["spec"]
+    out = json.loads(r.stdout)
+    spec = out["spec"]
     assert spec["speculative_auto"] is True and spec["num_speculative_tokens"] in (0, 1, 2, 3)
+    assert out["compiled"] is False and out["compiled_buckets"] == {"main": [], "mtp": []}  # --local too
     r = dsv4("run", "--local", "--model", str(tiny_model), "--num-speculative-tokens", "often", PROMPT)
     assert r.returncode == 2 and "--num-speculative-tokens must be an integer >= 0 (or auto)" in r.stderr
 
@@ -115,11 +118,13 @@ def test_status(daemon: Daemon) -> None:
         assert key in st, key
     assert st["running"] == 0 and st["waiting"] == 0 and st["pid"] == daemon.proc.pid
     assert (st["num_speculative_tokens"], st["speculative_auto"], st["max_speculative_tokens"]) == (1, False, 1)
+    assert st["compiled"] is False and st["compiled_buckets"] == {"main": [], "mtp": []}
     run_json("--max-tokens", "4", "--ignore-eos", "Status:", endpoint=daemon.endpoint)  # some MTP totals
     r = dsv4("status", endpoint=daemon.endpoint)
     assert r.returncode == 0 and f"pid {daemon.proc.pid}" in r.stdout
     lines = {ln.split()[0]: ln for ln in r.stdout.splitlines()}
-    assert {"daemon", "model", "requests", "throughput", "MTP", "memory"} <= set(lines)
+    assert {"daemon", "model", "compiled", "requests", "throughput", "MTP", "memory"} <= set(lines)
+    assert lines["compiled"].split(None, 1)[1] == "no (eager)"
     assert "%" in lines["MTP"] and "MiB resident" in lines["memory"] and "while busy" in lines["throughput"]
 
 

@@ -24,6 +24,7 @@ the inductor cache lives in build/ (ignored by git), so later runs find it warm.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -93,19 +94,24 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, monkeypatch):
     assert inductor["cpp_templated_kernel_counter"] > 0, dict(inductor)
     assert inductor["fxgraph_cache_bypass"] == 0, dict(inductor)
     assert steps.buckets == one and steps.ready == {("main", one[0]): True, ("mtp", one[0]): True}
-    out = [c.token_ids for c in llm.generate(prompts, sp)]
-    assert out == ref
+    in_use = {"main": list(one), "mtp": list(one)}  # what status and each request's final report
+    assert llm.engine.status()["compiled"] is True and llm.engine.compiled_buckets() == in_use
+    done = llm.generate(prompts, sp)
+    assert [c.token_ids for c in done] == ref
+    assert all(c.metrics["compiled"] is True and c.metrics["compiled_buckets"] == in_use for c in done)
     assert steps.calls["main"] > 0 and steps.calls["mtp"] > 0
 
 
 def test_no_compiler_falls_back_to_eager(ckpt, cache_home):
     args = ("run", "--local", "--model", str(ckpt), "--max-tokens", "6", "--ignore-eos", "--raw",
-            "--num-speculative-tokens", "1", "To be")
+            "--num-speculative-tokens", "1", "--json", "To be")
     ref = dsv4(*args, timeout=120)
     assert ref.returncode == 0, ref.stderr
     r = dsv4(*args, "--compile", timeout=120, env=env_for(CXX="/nonexistent", XDG_CACHE_HOME=str(cache_home)))
     assert r.returncode == 0, r.stderr
-    assert r.stdout == ref.stdout
+    out, want = json.loads(r.stdout), json.loads(ref.stdout)
+    assert (out["text"], out["token_ids"]) == (want["text"], want["token_ids"])
+    assert out["compiled"] is False and out["compiled_buckets"] == {"main": [], "mtp": []}  # --json says so
     warn = [line for line in r.stderr.splitlines() if "--compile" in line]
     assert len(warn) == 1 and "no C++ compiler" in warn[0] and "running eager" in warn[0], r.stderr
 

@@ -97,6 +97,14 @@ def test_to_wire_makes_anything_packable() -> None:
         "ttft_s": math.inf}})))["timings"]["ttft_s"] is None
 
 
+def test_final_says_what_ran_compiled() -> None:
+    buckets = {"main": [1, 2, 4], "mtp": [1, 2]}
+    msg = P.decode_reply(P.encode(P.final("r", "stop", None, {"compiled": True, "compiled_buckets": buckets})))
+    assert msg["compiled"] is True and msg["compiled_buckets"] == buckets
+    aborted = P.decode_reply(P.encode(P.final("r", "abort", "cancelled")))  # no metrics: nil, as usage
+    assert aborted["compiled"] is None and aborted["compiled_buckets"] is None and aborted["usage"] is None
+
+
 # ---------------------------------------------------------------------- paths
 def test_endpoint_defaults_and_overrides(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("DSV4_SOCKET", raising=False)
@@ -364,6 +372,19 @@ def test_show_drafts_colours_draft_characters() -> None:
     assert first == f"a{DRAFT_COLOUR}b{RESET}"
     assert second == f"{DRAFT_COLOUR}cd{RESET}é"
     assert out._coloured("zz", [], []) == "zz"  # text beyond the pieces: plain
+
+
+def test_run_json_says_what_ran_compiled() -> None:
+    from dsv4.cli.run import Output
+
+    out = Output(as_json=True, show_drafts=False)
+    buckets = {"main": [1, 2, 4], "mtp": [1, 2]}
+    out.final = P.final("r", "length", None, {"compiled": True, "compiled_buckets": buckets})
+    r = out.result()
+    assert r["compiled"] is True and r["compiled_buckets"] == buckets  # at the top level of --json
+    out.final = {k: v for k, v in out.final.items() if not k.startswith("compiled")}  # an older daemon's final
+    r = out.result()
+    assert r["compiled"] is None and r["compiled_buckets"] is None
 
 
 def test_client_refuses_a_frame_the_daemon_would_drop(tmp_path):
