@@ -191,6 +191,11 @@ class CompiledSteps:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(self.buckets) + 8)
         torch._dynamo.config.accumulated_recompile_limit = max(
             torch._dynamo.config.accumulated_recompile_limit, 64 * len(self.buckets))
+        if mode is None and self.device.type == "cuda":
+            mode = "reduce-overhead"  # the buckets replay as CUDA graphs (UNTESTED here: no GPU was lent)
+        # a CUDA graph's outputs are overwritten by its next replay: the caller gets copies (the
+        # MTP's carried hidden state outlives the step that made it)
+        self.copy_out = mode == "reduce-overhead"
         if mode == "reduce-overhead":  # CUDA graphs replay fixed addresses: the state tensors are static
             for ls in state.layers + ([state.mtp] if state.mtp is not None else []):
                 for t in ls.tensors():
@@ -323,7 +328,8 @@ class CompiledSteps:
         n = self._bucket("main", batch)
         if n is None:
             return None
-        return self._unpad(self._run("main", n, batch, self._main, *self._padded(batch, n)), batch, logits_index)
+        out = self._run("main", n, batch, self._main, *self._padded(batch, n))
+        return self._unpad(out, batch, logits_index, self.copy_out)
 
     def mtp(self, batch: Batch, hidden: torch.Tensor, logits_index: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -334,18 +340,22 @@ class CompiledSteps:
         if n is None:
             return None
         out = self._run("mtp", n, batch, self._mtp, *self._padded(batch, n), self._hidden_in(hidden, n))
-        return self._unpad(out, batch, logits_index)
+        return self._unpad(out, batch, logits_index, self.copy_out)
 
     @staticmethod
-    def _unpad(out: tuple[torch.Tensor, torch.Tensor] | None, batch: Batch, logits_index: torch.Tensor | None
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _unpad(out: tuple[torch.Tensor, torch.Tensor] | None, batch: Batch, logits_index: torch.Tensor | None,
+               copy: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
         """A bucket's (hidden [n, ...], logits [n, V]) cut back to the batch's T real tokens
-        (the logits to `logits_index` when given); None passes through (the bucket refused)."""
+        (the logits to `logits_index` when given; copies when `copy`); None passes through
+        (the bucket refused)."""
         if out is None:
             return None
         T = batch.input_ids.shape[0]
         h, logits = out
-        return h[:T], (logits[:T] if logits_index is None else logits.index_select(0, logits_index))
+        h = h[:T].clone() if copy else h[:T]
+        if logits_index is not None:
+            return h, logits.index_select(0, logits_index)  # a new tensor either way
+        return h, (logits[:T].clone() if copy else logits[:T])
 
     def _run(self, kind: str, n: int, batch: Batch, fn, *args):
         """Begin the state's rows, then run the captured bucket without evaluating its guards

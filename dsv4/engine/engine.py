@@ -123,7 +123,11 @@ class Engine:
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
                              device=self.device, policy=self.policy, scratch_slot=config.compile)
-        self.compile_note = self._capture(progress) if config.compile else ""  # the banner's line
+        self.compile_note = ""  # the banner's line
+        if config.compile:
+            from .compile_start import start_compiled
+
+            self.compile_note = start_compiled(self.runner, config, progress)
         self.calibration_s = 0.0
         if self.policy is not None:
             t = time.perf_counter()
@@ -134,34 +138,6 @@ class Engine:
         self.started = time.time()
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
-
-    def _capture(self, progress: Callable[[int, int], None] | None = None) -> str:
-        """--compile: capture the decode buckets (engine/compiled.py), reporting each to
-        `progress` (done, total) as the weights were; on a backend that cannot compile, one
-        warning and the eager path. Returns the banner line."""
-        from .compiled import CompiledSteps, CompileUnavailable, check_backend, private_cache_dir
-
-        c = self.config
-        try:
-            if c.tensor_parallel_size > 1:
-                raise CompileUnavailable("not with --tensor-parallel-size > 1 yet")
-            cache = private_cache_dir()
-            check_backend(self.device)
-        except CompileUnavailable as e:
-            log.warning("--compile: %s; running eager", e)
-            return f"compile: off ({e})"
-        K = c.num_speculative_tokens
-        steps = CompiledSteps(self.model, self.runner.state, c.max_num_seqs * (1 + K), with_mtp=K > 0,
-                              cache_dir=cache)
-        secs = steps.capture(progress=progress)
-        ok = sorted({n for (_, n), r in steps.ready.items() if r})
-        if ok:
-            self.runner.compiled = steps
-        for line in steps.failed:
-            log.warning("--compile: %s", line)
-        if not ok:
-            return f"compile: off (every capture failed, {secs:.1f} s)"
-        return f"compile: decode buckets {', '.join(map(str, ok))} tokens captured in {secs:.1f} s (cache {cache})"
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,

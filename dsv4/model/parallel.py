@@ -132,10 +132,17 @@ def rank() -> int:
 
 
 # ------------------------------------------------------------------ the collectives
+# Inside a compiled step (torch.compiler.is_compiling()) they are traced as functional
+# collectives, and the gather as a sum of zero-padded slices: inductor's C++ wrapper has
+# C shims for all_reduce only (torch 2.13: "arg type Any is not yet supported by
+# custom_op_wrapper" for all_gather_into_tensor). Adding zeros is exact, so it gives the
+# eager gather's values (a -0 becomes +0). No timing counters there: a graph has no clock.
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of x over the ranks, reduced in float32 (gloo has no bf16 sum), in x's dtype."""
     if _GROUP is None:
         return x
+    if torch.compiler.is_compiling():
+        return _traced_reduce(x.float(), "sum").to(x.dtype)
     t0 = time.perf_counter()
     y = x.float() if x.dtype != torch.float32 else x.contiguous()
     dist.all_reduce(y)
@@ -148,6 +155,8 @@ def all_reduce_max(x: torch.Tensor) -> torch.Tensor:
     int8 linear's input, and a row-parallel weight's row amax when quantised at load."""
     if _GROUP is None:
         return x
+    if torch.compiler.is_compiling():
+        return _traced_reduce(x.float(), "max")
     t0 = time.perf_counter()
     y = x.float().contiguous()
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
@@ -159,11 +168,23 @@ def all_gather(x: torch.Tensor) -> torch.Tensor:
     """The ranks' x [..., n] concatenated along the last dim, in rank order: [..., T * n]."""
     if _GROUP is None:
         return x
+    if torch.compiler.is_compiling():
+        n, T = x.shape[-1], world_size()
+        padded = x.new_zeros(*x.shape[:-1], T * n)
+        padded[..., rank() * n:(rank() + 1) * n] = x
+        return _traced_reduce(padded, "sum")
     t0 = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(world_size())]
     dist.all_gather(parts, x.contiguous())
     count("all_gather", t0)
     return torch.cat(parts, dim=-1)
+
+
+def _traced_reduce(x: torch.Tensor, op: str) -> torch.Tensor:
+    """A functional all-reduce (what a compiled graph can hold)."""
+    from torch.distributed import _functional_collectives as fc
+
+    return fc.wait_tensor(fc.all_reduce(x.contiguous(), op, _GROUP))
 
 
 def broadcast_object(obj: object = None) -> object:

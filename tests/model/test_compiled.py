@@ -102,6 +102,26 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, monkeypatch):
     assert steps.calls["main"] > 0 and steps.calls["mtp"] > 0
 
 
+@pytest.mark.skipif(os.environ.get("DSV4_TEST_COMPILE_TP") != "1",
+                    reason="two ranks compiling four buckets cold cost minutes: DSV4_TEST_COMPILE_TP=1 runs it")
+def test_compiled_two_ranks_equal_one_eager(ckpt, cache_home):
+    """--compile at --tensor-parallel-size 2 (collectives inside the graph, both ranks capturing
+    buckets 1 and 2 in step): greedy chains with MTP K = 1 equal one eager process's."""
+    try:
+        check_backend(torch.device("cpu"))
+    except CompileUnavailable as e:
+        pytest.skip(f"inductor cannot compile on this machine: {e}")
+    prompts = _prompts([1, 5, 37])
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = dict(max_num_seqs=1, max_model_len=128, prefill_limit=16, num_speculative_tokens=1)
+    ref = [c.token_ids for c in LLM(ckpt, **kw).generate(prompts, sp)]
+    with LLM(ckpt, compile=True, tensor_parallel_size=2, **kw) as llm:
+        assert llm.engine.compiled_buckets() == {"main": [1, 2], "mtp": [1, 2]}, llm.engine.compile_note
+        out = [c.token_ids for c in llm.generate(prompts, sp)]
+        assert llm.engine.runner.compiled.calls["main"] > 0 and llm.engine.runner.compiled.calls["mtp"] > 0
+    assert out == ref
+
+
 def test_no_compiler_falls_back_to_eager(ckpt, cache_home):
     args = ("run", "--local", "--model", str(ckpt), "--max-tokens", "6", "--ignore-eos", "--raw",
             "--num-speculative-tokens", "1", "--json", "To be")
