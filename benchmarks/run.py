@@ -2,6 +2,11 @@
 """dsv4's benchmark suite: every figure is a ratio against a peer measured in the same run.
 
     python benchmarks/run.py [--model DIR] [--data DIR] [--device cpu|cuda] [--out DIR] [--quick]
+    python benchmarks/run.py --acceptance [--k 1] [--prompts 8] [--gen 64]
+
+`--acceptance` measures only MTP acceptance (K = 1 by default, concurrency 8) on held-out
+256-token prompts, greedy and at the model's default sampling (its generation_config.json,
+EOS ignored; unseeded, then seeded), and prints one line per arm.
 
 On the embedded default model (or --model), measures:
 
@@ -176,7 +181,13 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: float32 on cpu, else bfloat16)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs/bench")
     ap.add_argument("--quick", action="store_true", help="fewer prompts and repetitions")
+    ap.add_argument("--acceptance", action="store_true", help="only MTP acceptance, greedy and default sampling")
+    ap.add_argument("--k", type=int, default=1, help="--acceptance: drafts per step")
+    ap.add_argument("--prompts", type=int, default=8, help="--acceptance: held-out prompts")
+    ap.add_argument("--gen", type=int, default=64, help="--acceptance: tokens per prompt")
     a = ap.parse_args()
+    if a.acceptance:
+        return acceptance(a)
     a.out.mkdir(parents=True, exist_ok=True)
     dtype = a.dtype or ("float32" if a.device == "cpu" else "bfloat16")
     tok = Tokenizer.from_dir(a.model)
@@ -218,6 +229,22 @@ def main() -> None:
     md = report(R)
     (a.out / "benchmarks.md").write_text(md)
     print(md)
+
+
+def acceptance(a: argparse.Namespace) -> None:
+    """MTP acceptance at K = a.k on held-out prompts, greedy and at the model's default sampling."""
+    tok = Tokenizer.from_dir(a.model)
+    prompts = heldout_prompts(tok, a.data, a.prompts, 256)
+    llm = LLM(a.model, num_speculative_tokens=a.k, max_num_seqs=8, device=a.device, max_model_len=1024)
+    default = llm.engine.default_params
+    arms = {"greedy": SamplingParams(max_tokens=a.gen, ignore_eos=True),
+            "default sampling": SamplingParams(**{**default.__dict__, "max_tokens": a.gen, "ignore_eos": True}),
+            "default sampling, seed 0": SamplingParams(**{**default.__dict__, "max_tokens": a.gen, "ignore_eos": True,
+                                                          "seed": 0})}
+    for name, params in arms.items():
+        r = drive(llm, prompts, params, 8)
+        print(f"K={a.k} {name} ({a.prompts} held-out prompts x {a.gen} tokens): acceptance "
+              f"{r['acceptance_rate']:.3f}, mean acceptance length {r['mean_acceptance_length']:.3f}", flush=True)
 
 
 def logical_state_bytes(cfg: ModelConfig, max_len: int, elem: int) -> int:

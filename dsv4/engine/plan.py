@@ -55,13 +55,16 @@ def broadcast(obj: Any = None) -> Any:
 
 
 def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
-                 drafts: dict[int, list[int]], k_draft: int) -> tuple[list, list, int]:
+                 drafts: dict[int, list[int]], k_draft: int,
+                 sync_drafts: bool = False) -> tuple[list, list, int, bool]:
     """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
-    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, and
-    the drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K)."""
+    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, the
+    drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K) and whether
+    rank 0 sends each MTP depth's drafts (`Runner.sync_drafts`: sampled drafts are rank 0's
+    draws, and the deeper dispatches of every rank must take the same tokens)."""
     return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes], k_draft)
+             for r, n in decodes], k_draft, sync_drafts)
 
 
 def follow(runner: Any) -> None:
@@ -72,7 +75,8 @@ def follow(runner: Any) -> None:
         msg = broadcast(None)
         if msg is None:
             return
-        pre, dec, runner.k_draft = msg  # auto K: the MTP depth of this step, as rank 0 chose it
+        # auto K: the MTP depth of this step, as rank 0 chose it; sampled drafts: rank 0 sends each depth's
+        pre, dec, runner.k_draft, runner.sync_drafts = msg
         prefills, decodes = [], []
         for slot, start, n, prompt, k in pre:
             if prompt is not None:

@@ -6,10 +6,14 @@ One `execute(plan)` call runs a scheduler step:
    row `[x_last, d_1..d_k]` of the step;
 2. sampling of first tokens (last prefill chunk) and verification of drafts (equality
    with the target's argmax or, for seeded requests, its keyed draw; rejection sampling
-   for unseeded sampled ones), then rollback of the rejected positions;
+   against the draft distribution q for unseeded sampled ones), then rollback of the
+   rejected positions;
 3. the MTP drafter over the newly completed pairs (h_t, x_{t+1}) of every
    speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
-   drafts. During prefill, pairs use the next *prompt* token; the last row of a
+   drafts (each chosen by `drafting.propose`: the argmax for greedy requests, a draw from
+   the MTP's processed distribution for sampled ones; under tensor parallelism rank 0's
+   choices feed the deeper dispatches when the step has sampled requests). During
+   prefill, pairs use the next *prompt* token; the last row of a
    non-final chunk is the pending row, kept until the next chunk (or the first
    sampled token) completes it. Drafts written into the MTP cache past the
    committed pairs are rolled back before the next step.
@@ -41,6 +45,7 @@ from torch.profiler import record_function
 from ..model import parallel
 from ..model.model import DeepseekV4
 from ..model.state import Batch
+from .drafting import propose
 from .plan import broadcast, plan_message
 from .request import Request
 from .sampling import apply_penalties, keyed_sample, logits_to_probs, sample, verify_greedy, verify_sampled
@@ -79,6 +84,8 @@ class Runner:
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
         self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
+        self.draft_q: dict[int, torch.Tensor] = {}  # slot -> their distributions [k, V] (unseeded sampled only)
+        self.sync_drafts = False  # this step: rank 0 sends each depth's drafts (tensor parallel, sampled rows)
         # Tests may replace the drafter: (request, output tokens so far including this
         # step's, the MTP's drafts) -> drafts
         self.draft_override: Callable[[Request, list[int], list[int]], list[int]] | None = None
@@ -88,6 +95,7 @@ class Runner:
         self.state.free(slot)
         self.pending.pop(slot, None)
         self.drafts.pop(slot, None)
+        self.draft_q.pop(slot, None)
         self.backlog.pop(slot, None)
 
     @torch.inference_mode()
@@ -126,7 +134,8 @@ class Runner:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
         last have none). Under tensor parallelism rank 0 first sends the plan (`plan`)."""
         if parallel.world_size() > 1 and parallel.rank() == 0:
-            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft))
+            self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy for r, *_ in prefills + decodes)
+            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         off = 0
@@ -207,7 +216,9 @@ class Runner:
             elif drafts is None:
                 target = sample(p).tolist()
             else:
-                acc, toks = verify_sampled(p, drafts, None, None)
+                q = self.draft_q.get(req.slot)
+                q = q[:len(drafts)] if q is not None and len(q) >= len(drafts) else None
+                acc, toks = verify_sampled(p, drafts, q, None)
                 results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
                 continue
             if drafts is None:
@@ -241,14 +252,20 @@ class Runner:
         """Drafts `req` makes this step."""
         return min(req.num_spec, self.k_draft)
 
-    def _mtp(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None, timed: bool):
-        """One MTP dispatch -> (z [T, hc, D], argmax draft per head row); timed for auto K."""
+    def _mtp(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None, timed: bool,
+             heads: list[Request], drafts: dict[int, list[int]], results: dict[int, StepResult]):
+        """One MTP dispatch -> (z [T, hc, D], one draft per head row, its q or None); timed
+        for auto K. Draft j of a request is proposed for position num_tokens + j after this
+        step's tokens, with the drafts before it counted as output (`drafting.propose`)."""
         t = time.perf_counter()
         z, logits = self._mtp_forward(batch, hid, head_idx)
-        top = logits.argmax(dim=-1).tolist()
+        outs = [[] if r.params.greedy else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
+                for r in heads]  # greedy drafts read neither history nor position
+        pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]
+        top, qs = propose(logits, heads, outs, pos)
         if timed and self.policy is not None:
             self.policy.draft.observe(len(batch.input_ids), time.perf_counter() - t)
-        return z, top
+        return z, top, qs
 
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
         """Keep pairs (h_t, x_{t+1}) from t0 on for a later catch-up instead of running the MTP;
@@ -317,6 +334,7 @@ class Runner:
                 self._defer(slot, t0, pairs_h, nxt)
                 if res is not None:
                     self.drafts[slot] = []
+                    self.draft_q.pop(slot, None)
                 continue
             if slot in self.backlog:
                 self._catch_up(slot, t0)
@@ -331,23 +349,34 @@ class Runner:
         batch = Batch.build(rows, self.device)
         hid = torch.cat(hs)
         head_idx = torch.tensor([i for _, i in heads], dtype=torch.long, device=self.device)
-        z, top = self._mtp(batch, hid, head_idx, timed)
-        drafts = {req.slot: [int(t)] for (req, _), t in zip(heads, top)}
+        drafts: dict[int, list[int]] = {}
+        z, top, qs = self._mtp(batch, hid, head_idx, timed, [r for r, _ in heads], drafts, results)
+        drafts.update({req.slot: [int(t)] for (req, _), t in zip(heads, top)})
+        q_rows = {req.slot: [q] for (req, _), q in zip(heads, qs)}
         z_last = z[head_idx]  # [R, hc, D]
         committed = {req.slot: self.state.mtp_lengths[req.slot] for req, _ in heads}
         for depth in range(1, self.num_spec):
             deeper = [(i, req) for i, (req, _) in enumerate(heads) if self._depth(req) > depth]
             if not deeper:
                 break
+            if self.sync_drafts and parallel.world_size() > 1:  # the deeper inputs are rank 0's draws
+                drafts = broadcast(drafts if parallel.rank() == 0 else None)
             rows = [(req.slot, self.state.mtp_lengths[req.slot], [drafts[req.slot][-1]]) for _, req in deeper]
             sel = torch.tensor([i for i, _ in deeper], dtype=torch.long, device=self.device)
-            z_next, top = self._mtp(Batch.build(rows, self.device), z_last[sel], None, timed)
-            for (i, req), t in zip(deeper, top):
+            z_next, top, qs = self._mtp(Batch.build(rows, self.device), z_last[sel], None, timed,
+                                        [req for _, req in deeper], drafts, results)
+            for (i, req), t, q in zip(deeper, top, qs):
                 drafts[req.slot].append(int(t))
+                q_rows[req.slot].append(q)
             z_last[sel] = z_next
         for req, _ in heads:  # speculative rows beyond the committed pairs are forgotten
             self.state.rollback(req.slot, self.state.lengths[req.slot], mtp_length=committed[req.slot])
-            d = drafts[req.slot]
+            d = mtp_d = drafts[req.slot]
             if self.draft_override is not None:
                 d = self.draft_override(req, req.output_ids + results[req.slot].tokens, d)
             self.drafts[req.slot] = d
+            qs = q_rows[req.slot]
+            if d == mtp_d and all(q is not None for q in qs):  # overridden drafts: one-hot q
+                self.draft_q[req.slot] = torch.stack(qs)
+            else:
+                self.draft_q.pop(req.slot, None)

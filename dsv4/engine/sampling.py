@@ -13,7 +13,10 @@
   target's K+1 rows (docs/serving.md section 3). `verify_sampled` is standard rejection
   sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
   sample from normalize(max(0, p_i - q_i)); if all K are accepted, sample the bonus token
-  from p_K. The emitted tokens are then distributed exactly as the target's.
+  from p_K. The emitted tokens are then distributed exactly as the target's, whenever each
+  d_i was drawn from q_i (given the drafts before it); a row of q that cannot have produced
+  its draft (no mass there, or not a distribution) is read as one-hot at the draft, which is
+  exact for a deterministic proposal. The drafts themselves come from `drafting.propose`.
 """
 
 from __future__ import annotations
@@ -272,7 +275,7 @@ def verify_greedy(target_argmax: Sequence[int], drafts: Sequence[int]) -> tuple[
 def verify_sampled(
     p: torch.Tensor,  # [K+1, V] target probabilities (after temperature/top-k/top-p/min-p)
     drafts: Sequence[int],  # K drafts
-    q: torch.Tensor | None,  # [K, V] draft probabilities; None = greedy drafter (one-hot q)
+    q: torch.Tensor | None,  # [K, V] draft probabilities; None = deterministic drafter (one-hot q)
     generator: torch.Generator | None,
 ) -> tuple[int, list[int]]:
     """Rejection sampling of K drafts; returns (number accepted, tokens to emit).
@@ -290,8 +293,19 @@ def verify_sampled(
         rows = torch.arange(k, device=p.device)
         u = torch.rand(k, generator=generator, device=p.device)
         p_d = p[rows, d]
-        q_d = torch.ones_like(p_d) if q is None else q.float()[rows, d]
-        # accept with prob min(1, p/q): u < p/q  <=>  u * q < p  (q = 0 and p > 0 accepts)
+        if q is not None:
+            q = q.float()
+            q_d = q[rows, d]
+            # A row of q that is not a distribution, or has no mass at its draft (which then
+            # cannot have been drawn from it), is read as a deterministic proposal: one-hot q.
+            bad = ~(torch.isfinite(q).all(dim=-1) & (q >= 0).all(dim=-1) & (q_d > 0))
+            if bool(bad.any()):
+                one_hot = torch.zeros_like(q).scatter_(-1, d[:, None], 1.0)
+                q = torch.where(bad[:, None], one_hot, q)
+                q_d = torch.where(bad, torch.ones_like(q_d), q_d)
+        else:
+            q_d = torch.ones_like(p_d)
+        # accept with prob min(1, p/q): u < p/q  <=>  u * q < p  (no division; q_d > 0 here)
         accept = (u * q_d < p_d).tolist()
         for i, ok in enumerate(accept):
             if ok:
@@ -300,7 +314,7 @@ def verify_sampled(
             if q is None:
                 residual[int(drafts[i])] = 0.0
             else:
-                residual = (residual - q[i].float()).clamp_min(0.0)
+                residual = (residual - q[i]).clamp_min(0.0)
             if float(residual.sum()) <= 0:  # p <= q everywhere: only reachable through rounding
                 residual = p[i]
             tok = int(torch.multinomial(residual, 1, generator=generator))

@@ -156,11 +156,13 @@ def test_oracle_and_wrong_drafters(ckpt, K):
 
 
 @pytest.mark.exact
-def test_sampled_output_with_mtp_equals_without(tmp_path):
+def test_sampled_output_with_mtp_equals_without(tmp_path, monkeypatch):
     """Vocabulary of 8, temperature 1: with a seed every request's tokens are the same with MTP
     as without, token for token (keyed draws; this replaced a statistical test of the same
-    promise). Unseeded requests go through rejection sampling (its distribution is tested
-    in tests/unit/test_sampling.py); here they draft, verify and finish."""
+    promise), though their drafts are now keyed draws from the MTP's distribution. Unseeded
+    requests go through rejection sampling against the q their drafts were drawn from (its
+    distribution is tested in tests/unit/test_sampled_drafts.py); here they draft, verify and finish."""
+    import dsv4.engine.runner as runner_mod
     write_tiny_checkpoint(tmp_path, vocab_size=8, with_tokenizer=False, seed=7)
     n = 64
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]
@@ -174,9 +176,17 @@ def test_sampled_output_with_mtp_equals_without(tmp_path):
         outs.append([c.token_ids for c in out])
     assert outs[1] == outs[0] and outs[2] == outs[0]
     assert len({tuple(t) for t in outs[0]}) > n // 2  # the seeds really sample
+    seen, verify = [], runner_mod.verify_sampled
+
+    def spy(p, drafts, q, g):  # each draft was drawn from its row of q
+        seen.append(q is not None and len(q) == len(drafts) and all(float(q[i, d]) > 0 for i, d in enumerate(drafts)))
+        return verify(p, drafts, q, g)
+
+    monkeypatch.setattr(runner_mod, "verify_sampled", spy)
     free = llm.generate([[3, 5, 2, 7]] * 16, SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True))
     assert all(len(c.token_ids) == 6 and all(0 <= t < 8 for t in c.token_ids) for c in free)
     assert sum(c.metrics["spec"]["drafted"] for c in free) > 0
+    assert seen and all(seen)
 
 
 def test_seed_reproducible_and_stop_strings(ckpt):

@@ -1,0 +1,84 @@
+"""Choosing the MTP's drafts from its logits (docs/serving.md section 3, decode step).
+
+`propose` turns one MTP dispatch's logits into one draft per request:
+
+* greedy requests take the argmax of the raw logits (no penalties: the target's argmax
+  decides what is kept, so a greedy drafter only has to guess well);
+* sampled requests draw from the MTP's own distribution q after the request's full
+  processing: penalties over the prompt, the output so far and the drafts before this one
+  (the history the target's row for the same position sees), then temperature, top-k,
+  top-p and min-p (`sampling.logits_to_probs`). Unseeded requests draw from the global RNG
+  (or `generator`) and keep q, which `sampling.verify_sampled` needs for rejection
+  sampling. Seeded requests draw with the keyed noise of the draft's sequence position
+  (`sampling.keyed_sample` on q): the target's token there is the keyed draw from p with
+  the same noise, so the draft equals it whenever p and q are close. Their acceptance
+  stays equality with the keyed draw, so their output never depends on the drafts.
+
+A row whose logits hold NaN or +inf, or no finite value, is drafted deterministically (the
+argmax of its finite logits, token 0 when there is none) with a one-hot q: rejection
+sampling is exact for any deterministic proposal, so a broken MTP row can lower
+acceptance but never change the output distribution.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from .sampling import apply_penalties, keyed_sample, logits_to_probs
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+def finite_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of each row of `logits` [N, V] over its finite entries (0 for a row with none)."""
+    x = logits.float()
+    return torch.where(torch.isfinite(x), x, torch.full_like(x, float("-inf"))).argmax(dim=-1)
+
+
+def propose(
+    logits: torch.Tensor,  # [N, V] the MTP's logits, one row per request
+    reqs: Sequence["Request"],  # N requests
+    outputs: Sequence[Sequence[int]],  # N token lists: the output before each draft, earlier drafts included
+    positions: Sequence[int],  # N sequence positions the drafts are proposed for
+    generator: torch.Generator | None = None,  # unseeded draws (None: the global RNG); on logits' device
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """One draft per row -> (tokens, q): q[i] is the draft distribution [V] of an unseeded
+    sampled request (one-hot for a row drafted deterministically), None for greedy and
+    seeded requests (their verification does not read q)."""
+    n = logits.shape[0]
+    if len(reqs) != n or len(outputs) != n or len(positions) != n:
+        raise ValueError(f"{n} logits rows for {len(reqs)} requests, {len(outputs)} outputs, "
+                         f"{len(positions)} positions")
+    tokens = logits.argmax(dim=-1).tolist() if n else []  # greedy rows: exactly as before sampled drafts
+    qs: list[torch.Tensor | None] = [None] * n
+    sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
+    if not sampled:
+        return tokens, qs
+    x = logits[sampled].float()
+    ok = (~torch.isnan(x).any(dim=-1) & ~(x == float("inf")).any(dim=-1) & torch.isfinite(x).any(dim=-1)).tolist()
+    fallback = finite_argmax(x).tolist()
+    ps = [reqs[i].params for i in sampled]
+    if any(p.penalized for p in ps):
+        x = apply_penalties(x, [reqs[i].prompt_ids for i in sampled], [outputs[i] for i in sampled],
+                            [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
+                            [p.frequency_penalty for p in ps])
+    t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=x.device)  # noqa: E731
+    q = logits_to_probs(x, t([p.temperature for p in ps], torch.float32), t([p.top_k for p in ps], torch.long),
+                        t([p.top_p for p in ps], torch.float32), t([p.min_p for p in ps], torch.float32))
+    good = torch.tensor(ok, device=q.device) & torch.isfinite(q).all(dim=-1) & (q.sum(dim=-1) > 0)
+    one_hot = torch.zeros_like(q).scatter_(-1, torch.tensor(fallback, device=q.device)[:, None], 1.0)
+    q = torch.where(good[:, None], q / q.sum(dim=-1, keepdim=True).clamp_min(1e-30), one_hot)
+    free = [j for j, p in enumerate(ps) if p.seed is None]
+    if free:
+        drawn = torch.multinomial(q[free], 1, generator=generator).squeeze(-1).tolist()
+        for j, tok in zip(free, drawn):
+            tokens[sampled[j]] = int(tok)
+            qs[sampled[j]] = q[j]
+    for j, p in enumerate(ps):
+        if p.seed is not None:
+            i = sampled[j]
+            tokens[i] = keyed_sample(q[j:j + 1], p.seed, [positions[i]])[0]
+    return tokens, qs
