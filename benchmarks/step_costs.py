@@ -13,7 +13,8 @@ with its ratio to the 1-token step. These are the costs `--num-speculative-token
 weighs (the engine times the same dispatches while it serves).
 
 `--compile` adds a column for the captured dispatch of `--compile` (dsv4/engine/compiled.py:
-`torch.compile(fullgraph=True, dynamic=False)` of `dsv4.model.static_step`, padded to its
+`torch.compile(fullgraph=True, dynamic=False)` of the model's own `forward_batch` on a static
+decode dispatch (`Batch.static_step`), padded to its
 bucket of 1, 2, 4, 8 or 16 tokens; one compile per bucket, about two minutes each on a
 2-core CPU when the inductor cache is cold), with the time each capture took.
 """

@@ -8,9 +8,12 @@
   settings a cold capture of this model takes about a minute a bucket on a 2-core CI
   machine, which the suite cannot afford for every bucket. K = 2 (bucket 3 -> 4, drafts at
   two depths) runs with `DSV4_TEST_COMPILE_K=1,2 ./test.sh tests/model/test_compiled.py`
-  when the compiled path changes; the other buckets' shapes are checked uncompiled in
-  test_static_step.py, which also compares single dispatches' logits with eager to a
-  tolerance.
+  when the compiled path changes. What compiles is the model's own forward_batch /
+  mtp_forward on a static dispatch: tests/model/test_incremental.py
+  `test_static_dispatch_equals_built` checks that dispatch uncompiled on every bucket shape
+  (float32, w8a8), and test_fast_paths.py the traced-only pieces (Sinkhorn bit for bit, the
+  gathered MoE). Two ranks compiling (the collectives in the graph) equal one eager process
+  with `DSV4_TEST_COMPILE_TP=1` (four cold buckets a rank: minutes).
 * Bad input: no C++ compiler (`CXX=/nonexistent`) gives one warning line and eager output.
 * The compile cache is private: created 0700 under $XDG_CACHE_HOME/dsv4/inductor, and a
   directory another user could write is refused (eager, with the reason), and so is one
