@@ -27,7 +27,11 @@ unless no other user can change any directory above it (`check_trusted_chain`, w
 descriptor: otherwise they could swap the checked directory for theirs afterwards). The
 check runs again before every bucket's compile (`recheck_cache_dir`): a failure there stops
 the capture and leaves the remaining buckets eager.
-A second startup finds its compiled buckets there and captures much faster.
+On the CPU a bucket is first looked up as an AOTInductor package in `<cache>/aoti`
+(`dsv4.engine.artifacts`: the same step exported and compiled ahead of time, keyed by
+model, code, torch and CPU, loaded in milliseconds with the live weights); a missing one
+is built and saved, and a bucket whose export or package build fails is compiled with
+torch.compile as below (one warning line says why).
 
 `capture(progress=...)` reports (buckets done, buckets) as it goes (the CLI's progress
 bar: a cold capture takes minutes on a small CPU) and keeps torch's own deprecation
@@ -46,10 +50,12 @@ from pathlib import Path
 
 import torch
 
+from ..model import parallel
 from ..model.attention import ROW_MIN
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
 from ..private_paths import PathError, check_private_dir, check_trusted_chain
+from . import artifacts
 
 log = logging.getLogger("dsv4.compile")
 
@@ -174,7 +180,7 @@ class CompiledSteps:
     """Compiled main/MTP decode dispatches by bucket over `state` (its last slot is scratch)."""
 
     def __init__(self, model: DeepseekV4, state: ModelState, max_tokens: int, with_mtp: bool = True,
-                 mode: str | None = None, cache_dir: Path | None = None):
+                 mode: str | None = None, cache_dir: Path | None = None, use_artifacts: bool = True):
         self.cache_dir = cache_dir  # from private_cache_dir(): checked again before each bucket's compile
         self.model, self.state, self.device = model, state, model.embed.weight.device
         for rope in (model.rope_main, model.rope_compress):  # grown now: the graph reads them as they are
@@ -204,6 +210,12 @@ class CompiledSteps:
         # measures it on a GPU, the engine uses the default); on the CPU, CPU_OPTIONS instead
         # (not torch.compile's options=: it leaves freezing off; capture() patches the config)
         self.cpu_options = mode is None and self.device.type == "cpu"
+        # AOTInductor packages (CPU, one process: a rank that fell back to torch.compile would
+        # run its capture's collectives alone)
+        self.use_artifacts = use_artifacts and cache_dir is not None and self.cpu_options and parallel.world_size() == 1
+        self.aot: dict[tuple[str, int], artifacts.Loaded] = {}  # (kind, bucket) -> loaded package
+        self.aot_built: list[tuple[str, int]] = []  # buckets whose package this start built (else loaded)
+        self._state_tensors = state.tensors()  # a package's trailing inputs
         self._main = torch.compile(self._main_step, fullgraph=True, dynamic=False, mode=mode)
         self._mtp = (torch.compile(self._mtp_step, fullgraph=True, dynamic=False, mode=mode)
                      if model.has_mtp and with_mtp else None)
@@ -239,6 +251,11 @@ class CompiledSteps:
                 self.failed.append(f"{e}: the capture stopped; {len(todo) - i + 1} bucket(s) run eager")
                 log.warning(self.failed[-1])
                 break
+            if self.use_artifacts and self._from_artifact(kind, n):
+                self.ready[(kind, n)] = True
+                if progress is not None:
+                    progress(i, len(todo))
+                continue
             ids, pos, slots = self._padded(None, n)
             try:
                 with self._compiler_settings(), quiet_capture():
@@ -255,6 +272,22 @@ class CompiledSteps:
             if progress is not None:
                 progress(i, len(todo))
         return time.perf_counter() - t0
+
+    def _from_artifact(self, kind: str, n: int) -> bool:
+        """Load the bucket's package, building it first when there is none usable; False
+        (one warning line) when that fails: the bucket then compiles with torch.compile."""
+        try:
+            with quiet_capture():
+                self.aot[(kind, n)], built = artifacts.obtain(self.model, self.state, kind, n, self.scratch,
+                                                              self.cache_dir)
+            if built:
+                self.aot_built.append((kind, n))
+            return True
+        except Exception as e:  # noqa: BLE001 (export and inductor raise many types: torch.compile then)
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+            log.warning("--compile: no AOTInductor package for the %s bucket of %d tokens (%s: %s); "
+                        "compiling it with torch.compile", kind, n, type(e).__name__, msg)
+            return False
 
     @contextlib.contextmanager
     def _compiler_settings(self) -> Iterator[None]:
@@ -366,14 +399,18 @@ class CompiledSteps:
         saved = [(slot, lengths[slot]) for slot, _, _ in batch.rows]
         self.state.begin(batch, mtp=kind == "mtp")
         try:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                out = fn(*args)
+            if (kind, n) in self.aot:  # the package: the state's tensors are inputs it writes
+                out = self.aot[(kind, n)](*args, *self._state_tensors)
+            else:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    out = fn(*args)
             self.calls[kind] += 1
             return out
         except Exception as e:  # noqa: BLE001 (a guard failure: from now on this bucket runs eager)
             for slot, length in saved:
                 lengths[slot] = length
             self.ready[(kind, n)] = False
+            self.aot.pop((kind, n), None)
             log.warning("--compile: the %s bucket of %d tokens failed (%s: %s); it runs eager from now on",
                         kind, n, type(e).__name__, str(e).strip().splitlines()[0][:200] if str(e).strip() else "")
             return None

@@ -28,6 +28,7 @@ into token tensors [T].
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -142,9 +143,18 @@ class LayerState:
                 self.idx_raw_score = torch.zeros(slots, raw_size, 2 * di, device=device, dtype=f32)
                 self.idx_entries = torch.zeros(slots, n_entries, di, device=device, dtype=dtype)
 
+    NAMES = ("win", "raw_kv", "raw_score", "entries", "idx_raw_kv", "idx_raw_score", "idx_entries")
+
     def tensors(self) -> list[torch.Tensor]:
-        names = ["win", "raw_kv", "raw_score", "entries", "idx_raw_kv", "idx_raw_score", "idx_entries"]
-        return [getattr(self, n) for n in names if hasattr(self, n)]
+        return [getattr(self, n) for n in self.NAMES if hasattr(self, n)]
+
+    def rebound(self, tensors: list[torch.Tensor]) -> "LayerState":
+        """A shallow copy whose state tensors are `tensors` (in `tensors()` order), e.g. the
+        inputs of an exported step."""
+        out = copy.copy(self)
+        for name, t in zip([n for n in self.NAMES if hasattr(self, n)], tensors, strict=True):
+            setattr(out, name, t)
+        return out
 
 
 class ModelState:
@@ -207,6 +217,21 @@ class ModelState:
         """Release a slot: its contents become garbage that the next owner overwrites."""
         self.lengths[slot] = 0
         self.mtp_lengths[slot] = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every state tensor: the layers' in order, then the MTP block's."""
+        return [t for ls in self.layers + ([self.mtp] if self.mtp is not None else []) for t in ls.tensors()]
+
+    def rebound(self, tensors: list[torch.Tensor]) -> "ModelState":
+        """A shallow copy (bookkeeping shared) whose state tensors are `tensors` (in
+        `tensors()` order): what an exported step binds its tensor inputs to."""
+        out, it = copy.copy(self), iter(tensors)
+        take = lambda ls: ls.rebound([next(it) for _ in ls.tensors()])  # noqa: E731
+        out.layers = [take(ls) for ls in self.layers]
+        out.mtp = take(self.mtp) if self.mtp is not None else None
+        if next(it, None) is not None:
+            raise ValueError("more tensors than the state holds")
+        return out
 
     def nbytes_per_slot(self) -> int:
         ts = [t for ls in self.layers for t in ls.tensors()]
