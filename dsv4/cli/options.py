@@ -6,6 +6,7 @@ out is not passed, so the config's own defaults (resolved from the checkpoint) a
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
@@ -153,9 +154,10 @@ Quantization = Annotated[Optional[str], typer.Option(
          "[default: as the checkpoint is stored]")]
 Compile = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", rich_help_panel=ENGINE_PANEL, show_default=False,
-    help="Capture decode steps with torch.compile per bucket of token counts at startup (minutes on a "
-         "small CPU; cached under $XDG_CACHE_HOME/dsv4/inductor); falls back to eager where it cannot "
-         "[default: off]")]
+    help="Compile the decode steps per bucket of token counts at startup (minutes on a small CPU when "
+         "not cached under $XDG_CACHE_HOME/dsv4/inductor); falls back to eager where it cannot. Neither "
+         "flag: the cached buckets load, and serve builds the others in the background [default: "
+         "$DSV4_COMPILE (auto, on, off), else auto]")]
 TensorParallel = Annotated[Optional[int], typer.Option(
     "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
     help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
@@ -189,11 +191,25 @@ ENGINE_FLAGS = {
 }
 
 
+COMPILE_ENV = {"auto": "auto", "on": True, "1": True, "true": True, "off": False, "0": False, "false": False}
+
+
+def compile_default() -> bool | str:
+    """--compile when neither --compile nor --no-compile is given: $DSV4_COMPILE (auto, on or
+    off), else auto (cached compiled buckets load; `serve` builds the others in the background)."""
+    text = os.environ.get("DSV4_COMPILE", "").strip().lower()
+    if text not in COMPILE_ENV and text:
+        raise CliError(f"DSV4_COMPILE must be auto, on or off, got {text!r}", EXIT_USAGE)
+    return COMPILE_ENV.get(text, "auto")
+
+
 def engine_kwargs(**given: Any) -> dict[str, Any]:
-    """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset.
-    Paths are made absolute (a detached daemon runs in `/`)."""
+    """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset,
+    --compile to `compile_default()`. Paths are made absolute (a detached daemon runs in `/`)."""
     kw = {k: (str(v.absolute()) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
     kw.setdefault("model", str(dsv4.DEFAULT_MODEL))
+    if "compile" in given:
+        kw.setdefault("compile", compile_default())
     return kw
 
 
@@ -216,7 +232,8 @@ def engine_argv(kw: dict[str, Any]) -> list[str]:
         if key == "enable_chunked_prefill":
             argv.append(flag if value else "--no-enable-chunked-prefill")
         elif key == "compile":
-            argv.append(flag if value else "--no-compile")
+            if value != "auto":  # auto: the default, also where the argv is read again
+                argv.append(flag if value else "--no-compile")
         else:
             argv += [flag, str(value)]
     return argv

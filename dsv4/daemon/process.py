@@ -246,6 +246,9 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
                  config.max_num_seqs)
         if getattr(engine, "compile_note", ""):
             log.info("%s", engine.compile_note)
+        building = engine.build_in_background() if hasattr(engine, "build_in_background") else ""
+        if building:
+            log.info("%s", building)
         if engine.policy is not None:
             log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
         also = ()

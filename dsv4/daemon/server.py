@@ -214,10 +214,22 @@ class Server(Admission):
             if self.stop_reason is None and self._has_work():
                 self._step()
                 self._handle_held()
+            elif not busy:
+                self._idle_tick()
         self._handle_held()  # requests sent during the last step get their refusal
         log.info("stopping (%s); cancelling %d request(s) in flight", self.stop_reason, len(self._live))
         self._cancel_all(SHUTDOWN_MESSAGE)
         return self.stop_reason
+
+    def _idle_tick(self) -> None:
+        """While idle: let the engine install compiled buckets a background build finished
+        (it also does so before each step)."""
+        poll = getattr(self.engine, "poll_compiled", None)
+        if poll is not None:
+            try:
+                poll()
+            except Exception:  # noqa: BLE001 (a failed load leaves the bucket eager; serving goes on)
+                log.exception("installing compiled buckets failed")
 
     def _cancel_all(self, error: str, reason: str = "abort") -> None:
         for erid in [*self._live, *self._pending]:

@@ -298,22 +298,38 @@ def load(step: Step, path: Path, key: str) -> Loaded:
 _SIG: dict[int, tuple[nn.Module, str]] = {}  # id(model) -> (model, its signature): computed once
 
 
-def obtain(model: DeepseekV4, state: ModelState, kind: str, n: int, scratch: int, cache_dir: Path
-           ) -> tuple[Loaded, bool]:
-    """The bucket's loaded package and whether it was built now: the cached one when it
-    passes every check, else (one warning line naming the reason) a new build. Raises
-    when the build or the load of the new package fails (the caller compiles otherwise)."""
+def _key(model: DeepseekV4, state: ModelState, kind: str, n: int) -> str:
+    """`artifact_key` with the model's signature computed once per model."""
     held = _SIG.get(id(model))
     if held is None or held[0] is not model:
         held = _SIG[id(model)] = (model, model_signature(model))
-    key = artifact_key(model, state, kind, n, held[1])
+    return artifact_key(model, state, kind, n, held[1])
+
+
+def present(model: DeepseekV4, state: ModelState, kind: str, n: int, cache_dir: Path) -> bool:
+    """Whether the bucket's package and its checksum exist (not yet checked: `obtain` does);
+    a few stat calls, for polling while a background build runs."""
+    path = cache_dir / "aoti" / f"{_key(model, state, kind, n)}.pt2"
+    return path.is_file() and path.with_name(path.name + ".sha256").is_file()
+
+
+def obtain(model: DeepseekV4, state: ModelState, kind: str, n: int, scratch: int, cache_dir: Path,
+           build_missing: bool = True) -> tuple[Loaded, bool] | None:
+    """The bucket's loaded package and whether it was built now: the cached one when it
+    passes every check, else (one warning line naming the reason) a new build, or None
+    when `build_missing` is False. Raises when the build or the load of the new package
+    fails (the caller compiles otherwise)."""
+    key = _key(model, state, kind, n)
     step = Step(model, state, kind)
     path = artifact_dir(cache_dir) / f"{key}.pt2"
     if os.path.lexists(path):
         try:
             return load(step, path, key), False
         except ArtifactError as e:
-            log.warning("--compile: the cached %s bucket of %d tokens is not used (%s); rebuilding it", kind, n, e)
+            log.warning("--compile: the cached %s bucket of %d tokens is not used (%s); %s", kind, n, e,
+                        "rebuilding it" if build_missing else "it runs eager until rebuilt")
+    if not build_missing:
+        return None
     log.info("--compile: building the %s bucket of %d tokens (AOTInductor)", kind, n)
     for p in (path, path.with_name(path.name + ".sha256")):
         if os.path.lexists(p):

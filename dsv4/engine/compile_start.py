@@ -26,7 +26,15 @@ log = logging.getLogger("dsv4.compile")
 
 def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None] | None = None) -> str:
     """Capture `runner`'s decode buckets and install them (`runner.compiled`); on a backend
-    that cannot compile, one warning and the eager path. Returns the banner line."""
+    that cannot compile, one warning and the eager path. Returns the banner line.
+
+    `config.compile` True: build what the cache lacks now (minutes when cold). "auto" (the
+    CLI's default): load what the cache holds and leave the rest eager, on a CPU with one
+    rank (a background build, `Engine.build_in_background`, may add them later)."""
+    if config.compile == "auto":
+        if runner.device.type != "cpu" or parallel.world_size() > 1:
+            return "compile: off (by default only a CPU with one rank loads compiled buckets; --compile builds them)"
+        return _load_cached(runner, config, progress)
     reason = ""
     try:
         cache = private_cache_dir()
@@ -52,3 +60,25 @@ def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None
     if not ok:
         return f"compile: off (every capture failed, {secs:.1f} s)"
     return f"compile: decode buckets {', '.join(map(str, ok))} tokens captured in {secs:.1f} s (cache {cache})"
+
+
+def _load_cached(runner: Any, config: Any, progress: Callable[[int, int], None] | None) -> str:
+    """--compile auto: install the buckets whose packages are cached; silent when it cannot."""
+    try:
+        cache = private_cache_dir()
+        check_backend(runner.device)
+    except CompileUnavailable as e:
+        return f"compile: off ({e})"
+    K = config.num_speculative_tokens
+    steps = CompiledSteps(runner.model, runner.state, config.max_num_seqs * (1 + K), with_mtp=K > 0,
+                          cache_dir=cache)
+    if not steps.use_artifacts:
+        return "compile: off (no compiled packages for this configuration)"
+    steps.capture(progress=progress, build=False)
+    runner.compiled = steps  # also when nothing loaded: `refresh` installs later builds
+    have, missing = steps.in_use(), steps.missing()
+    loaded = sorted(set(have["main"]) | set(have["mtp"]))
+    if not missing:
+        return f"compile: decode buckets {', '.join(map(str, loaded))} tokens loaded from the cache ({cache})"
+    return (f"compile: {len(loaded)} of {len(loaded) + len(missing)} decode buckets cached"
+            + (f" ({', '.join(map(str, loaded))} tokens)" if loaded else "") + "; the others run eager")

@@ -233,14 +233,16 @@ class CompiledSteps:
 
     @torch.inference_mode()
     def capture(self, only: set[tuple[str, int]] | None = None,
-                progress: Callable[[int, int], None] | None = None) -> float:
+                progress: Callable[[int, int], None] | None = None, build: bool = True) -> float:
         """Compile every bucket once (dispatches of scratch-slot tokens only), or those in
         `only` ((main | mtp, tokens) pairs); `progress(done, total)` after each bucket (and
-        (0, total) first). Returns seconds."""
+        (0, total) first). With `build` False only cached packages load (no compiling: the
+        others stay eager until `refresh` finds them). Returns seconds."""
         t0 = time.perf_counter()
         todo = [(kind, fn, n) for kind, fn in (("main", self._main), ("mtp", self._mtp)) if fn is not None
                 for n in self.buckets if only is None or (kind, n) in only]
-        log.info("--compile: capturing %d decode buckets (minutes on a small CPU when the cache is cold)", len(todo))
+        log.info("--compile: %s %d decode buckets", "capturing (minutes on a small CPU when the cache is cold)"
+                 if build else "loading the cached of", len(todo))
         if progress is not None:
             progress(0, len(todo))
         for i, (kind, fn, n) in enumerate(todo, 1):
@@ -251,8 +253,8 @@ class CompiledSteps:
                 self.failed.append(f"{e}: the capture stopped; {len(todo) - i + 1} bucket(s) run eager")
                 log.warning(self.failed[-1])
                 break
-            if self.use_artifacts and self._from_artifact(kind, n):
-                self.ready[(kind, n)] = True
+            if (self.use_artifacts and self._from_artifact(kind, n, build)) or not build:
+                self.ready[(kind, n)] = (kind, n) in self.aot
                 if progress is not None:
                     progress(i, len(todo))
                 continue
@@ -273,13 +275,34 @@ class CompiledSteps:
                 progress(i, len(todo))
         return time.perf_counter() - t0
 
-    def _from_artifact(self, kind: str, n: int) -> bool:
-        """Load the bucket's package, building it first when there is none usable; False
-        (one warning line) when that fails: the bucket then compiles with torch.compile."""
+    def missing(self) -> list[tuple[str, int]]:
+        """The (kind, bucket) pairs that do not run compiled (yet)."""
+        kinds = ["main"] + (["mtp"] if self._mtp is not None else [])
+        return [(k, n) for k in kinds for n in self.buckets if not self.ready.get((k, n))]
+
+    def refresh(self) -> list[tuple[str, int]]:
+        """Load the packages that appeared in the cache since (a background build's) for the
+        buckets still eager; returns those that now run compiled (cheap when none did)."""
+        if not self.use_artifacts:
+            return []
+        new = []
+        for kind, n in self.missing():
+            if artifacts.present(self.model, self.state, kind, n, self.cache_dir) and \
+                    self._from_artifact(kind, n, build=False):
+                self.ready[(kind, n)] = True
+                new.append((kind, n))
+        return new
+
+    def _from_artifact(self, kind: str, n: int, build: bool = True) -> bool:
+        """Load the bucket's package, building it first when there is none usable (unless not
+        `build`); False (one warning line) when that fails: the bucket then compiles with
+        torch.compile, or without `build` stays eager."""
         try:
             with quiet_capture():
-                self.aot[(kind, n)], built = artifacts.obtain(self.model, self.state, kind, n, self.scratch,
-                                                              self.cache_dir)
+                got = artifacts.obtain(self.model, self.state, kind, n, self.scratch, self.cache_dir, build)
+            if got is None:
+                return False
+            self.aot[(kind, n)], built = got
             if built:
                 self.aot_built.append((kind, n))
             return True

@@ -74,7 +74,9 @@ class EngineConfig:
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
     plan_transport: str = "auto"  # built: "shm" (one host, T > 1) or "object"; no flag (LLM, benchmarks)
-    compile: bool = False  # --compile: decode dispatches captured per bucket at startup (engine/compiled.py)
+    # --compile: decode dispatches captured per bucket at startup (engine/compiled.py); "auto" (the
+    # CLI's default): the buckets cached load, serve builds the others in the background
+    compile: bool | str = False
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -98,8 +100,8 @@ class EngineConfig:
         if not isinstance(self.enable_chunked_prefill, bool):
             raise EngineConfigError(f"--enable-chunked-prefill must be true or false, "
                                     f"got {self.enable_chunked_prefill!r}")
-        if not isinstance(self.compile, bool):
-            raise EngineConfigError(f"--compile must be true or false, got {self.compile!r}")
+        if not (isinstance(self.compile, bool) or self.compile == "auto"):
+            raise EngineConfigError(f"--compile must be true, false or auto, got {self.compile!r}")
         if self.profile_dir is not None:
             set_("profile_dir", check_profile_dir(self.profile_dir))
         if self.threads is None:

@@ -122,7 +122,7 @@ class Engine:
         self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
         self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                              max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                             device=self.device, policy=self.policy, scratch_slot=config.compile)
+                             device=self.device, policy=self.policy, scratch_slot=config.compile is not False)
         self.compile_note = ""  # the banner's line
         if config.compile:
             from .compile_start import start_compiled
@@ -135,6 +135,8 @@ class Engine:
             self.calibration_s = time.perf_counter() - t
         self.metrics = EngineMetrics()
         self.profiler = _profiler(config)
+        self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
+        self._builder_poll = 0.0
         self.started = time.time()
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
@@ -207,7 +209,38 @@ class Engine:
         return self.scheduler.has_work
 
     # ------------------------------------------------------------------ the loop
+    def build_in_background(self) -> str:
+        """`--compile` auto (`serve`'s default): build the decode buckets the cache lacks in a
+        separate process (`compile_builder`), each switched to compiled as it appears
+        (`poll_compiled`). Returns the log line ("" when there is nothing to build)."""
+        steps = self.runner.compiled
+        if self.config.compile != "auto" or steps is None or not steps.missing() or self._builder is not None:
+            return ""
+        from .compile_builder import spawn
+
+        self._builder = spawn(self.config)
+        return (f"compile: building {len(steps.missing())} decode bucket(s) in the background "
+                f"(pid {self._builder.pid}); each runs compiled once built")
+
+    def poll_compiled(self, every_s: float = 1.0) -> None:
+        """Install the buckets a background build finished (at most every `every_s` seconds)."""
+        if self._builder is None or time.monotonic() - self._builder_poll < every_s:
+            return
+        self._builder_poll = time.monotonic()
+        done = self._builder.poll() is not None
+        new = self.runner.compiled.refresh()
+        if new:
+            log.info("compile: %s now run%s compiled", ", ".join(f"{k} bucket {n}" for k, n in new),
+                     "s" if len(new) == 1 else "")
+        if done:
+            left = self.runner.compiled.missing()
+            log.log(logging.WARNING if left else logging.INFO, "compile: the background build ended (exit %s); %s",
+                    self._builder.returncode, f"{len(left)} bucket(s) stay eager" if left else "every decode "
+                    "bucket runs compiled")
+            self._builder = None
+
     def step(self) -> list[RequestOutput]:
+        self.poll_compiled()
         t0 = time.monotonic()
         t_step = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -296,6 +329,7 @@ class Engine:
         return {
             "compiled": bool(buckets["main"] or buckets["mtp"]),
             "compiled_buckets": buckets,
+            "compile_building": self._builder is not None,  # a background build is still running
             "model": self.config.model,
             "device": str(self.device),
             "dtype": self.config.dtype,
@@ -315,7 +349,12 @@ class Engine:
         }
 
     def close(self) -> None:
-        """Flush the profiler (if --profile is on); stop the other ranks."""
+        """Flush the profiler (if --profile is on); stop the other ranks and a background build."""
+        if self._builder is not None:
+            from .compile_builder import stop
+
+            stop(self._builder)
+            self._builder = None
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None

@@ -38,6 +38,9 @@ def short_dir() -> Path:
 def env_for(endpoint: str | None = None, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("DSV4_DEBUG", "DSV4_SOCKET")}
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", COLUMNS="200")
+    # eager unless a test says otherwise: a developer's compile cache must not change what a
+    # test computes, and a daemon's background build would take a core for minutes
+    env["DSV4_COMPILE"] = "off"
     if endpoint is not None:
         env["DSV4_SOCKET"] = endpoint
     env.update(extra)
@@ -95,7 +98,8 @@ def wait_until(cond: Any, timeout: float = 10.0, every: float = 0.1) -> bool:
 class Daemon:
     """`dsv4 serve` in the foreground as a subprocess, with its log captured to a file."""
 
-    def __init__(self, model: Path, *args: str, directory: Path | None = None) -> None:
+    def __init__(self, model: Path, *args: str, directory: Path | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.dir = directory or short_dir()
         self.socket = self.dir / "d.sock"
         self.endpoint = f"ipc://{self.socket}"
@@ -103,7 +107,7 @@ class Daemon:
         self.log = self.dir / "serve.log"
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([*CMD, "serve", "--model", str(model), "--socket", self.endpoint, *args],
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env_for())
+                                         stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env or env_for())
 
     def wait_ready(self, timeout: float = 90) -> "Daemon":
         from dsv4.daemon.client import Client, DaemonUnreachable

@@ -74,10 +74,17 @@ def _prompts(lengths, seed=0):
 COMPILE_KS = [int(k) for k in os.environ.get("DSV4_TEST_COMPILE_K", "1").split(",")]
 
 
+@pytest.mark.parametrize("path", ["aoti", "torch.compile"])
 @pytest.mark.parametrize("k", COMPILE_KS)
-def test_compiled_greedy_equals_eager(ckpt, cache_home, k, monkeypatch):
+def test_compiled_greedy_equals_eager(ckpt, cache_home, k, path, monkeypatch):
+    """Both ways a bucket compiles: an AOTInductor package (a CPU with one rank), and
+    torch.compile, which is also where a bucket goes when its package cannot be built."""
     one = buckets(1 + k)[-1:]  # the one bucket every dispatch of this test fits (see the docstring)
     monkeypatch.setattr("dsv4.engine.compiled.buckets", lambda max_tokens: list(one))
+    if path == "torch.compile":
+        def no_package(*args, **kwargs):
+            raise RuntimeError("export failed (this test)")
+        monkeypatch.setattr("dsv4.engine.artifacts.obtain", no_package)
     try:
         check_backend(torch.device("cpu"))
     except CompileUnavailable as e:  # the fallback itself is test_no_compiler_falls_back_to_eager
@@ -91,11 +98,15 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, monkeypatch):
     steps = llm.engine.runner.compiled
     assert steps is not None, llm.engine.compile_note
     assert "captured" in llm.engine.compile_note and not steps.failed
-    # CPU_OPTIONS took effect (torch.compile(options=...) would silently leave freezing off):
-    # matmuls ran through the C++ GEMM template, and every bucket could be cached
-    inductor = counters["inductor"]
-    assert inductor["cpp_templated_kernel_counter"] > 0, dict(inductor)
-    assert inductor["fxgraph_cache_bypass"] == 0, dict(inductor)
+    if path == "torch.compile":
+        # CPU_OPTIONS took effect (torch.compile(options=...) would silently leave freezing off):
+        # matmuls ran through the C++ GEMM template, and every bucket could be cached
+        inductor = counters["inductor"]
+        assert inductor["cpp_templated_kernel_counter"] > 0, dict(inductor)
+        assert inductor["fxgraph_cache_bypass"] == 0, dict(inductor)
+        assert not steps.aot
+    else:
+        assert set(steps.aot) == {("main", one[0]), ("mtp", one[0])}
     assert steps.buckets == one and steps.ready == {("main", one[0]): True, ("mtp", one[0]): True}
     in_use = {"main": list(one), "mtp": list(one)}  # what status and each request's final report
     assert llm.engine.status()["compiled"] is True and llm.engine.compiled_buckets() == in_use
