@@ -11,7 +11,7 @@ from typing import Any
 
 KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "uptime_s", "running", "waiting",
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
-         "memory_rss_bytes", "compiled", "compiled_buckets"}
+         "memory_rss_bytes", "compiled", "compiled_buckets", "compile_building"}
 
 
 def _bytes(n: Any) -> str:
@@ -46,7 +46,8 @@ def _compiled(st: dict[str, Any]) -> str:
     if not isinstance(b, dict):
         return "-"  # a daemon older than the key
     parts = [f"{', '.join(str(n) for n in b.get(kind) or [])} ({kind})" for kind in ("main", "mtp") if b.get(kind)]
-    return "decode buckets " + ", ".join(parts) if parts else "no (eager)"
+    line = "decode buckets " + ", ".join(parts) if parts else "no (eager)"
+    return line + ("; building the others in the background" if st.get("compile_building") else "")
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
