@@ -216,8 +216,13 @@ class Engine:
         steps = self.runner.compiled
         if self.config.compile != "auto" or steps is None or not steps.missing() or self._builder is not None:
             return ""
-        from .compile_builder import spawn
+        from .compile_builder import available_memory, spawn
 
+        free = available_memory()
+        if free is not None and free < 2 * self.weight_bytes:  # the builder loads its own copy of the weights
+            return (f"compile: not building the {len(steps.missing())} missing decode bucket(s) in the background: "
+                    f"it needs a second copy of the weights ({self.weight_bytes / 2**30:.1f} GiB) and "
+                    f"{free / 2**30:.1f} GiB are available; build them with --compile")
         self._builder = spawn(self.config)
         return (f"compile: building {len(steps.missing())} decode bucket(s) in the background "
                 f"(pid {self._builder.pid}); each runs compiled once built")
