@@ -140,7 +140,7 @@ def _timed(fn, reps: int) -> float:
     return best
 
 
-def arm(model_dir: Path, quantization: str, dtype: str, reps: int) -> dict:
+def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool = False) -> dict:
     from benchmarks.run import copy_bandwidth
     from dsv4.model.loader import load_model
     from dsv4.model.state import Batch
@@ -164,7 +164,7 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int) -> dict:
                   + main_routed * cfg.num_experts_per_tok // cfg.n_routed_experts)
     torch.manual_seed(0)
     B, ctx = 4, 64
-    state = model.new_state(B, 256, max_chunk=ctx)
+    state = model.new_state(B + 1, 256, max_chunk=ctx)  # the last slot: --compile's scratch
     with torch.inference_mode():
         for s in range(B):
             model.forward_batch(Batch.build([(s, 0, torch.randint(2, cfg.vocab_size, (ctx,)).tolist())]), state)
@@ -188,11 +188,36 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int) -> dict:
             state.rollback(1, ctx, mtp_length=0)
 
         tm = _timed(draft, reps)
+        comp = _compiled_times(model, state, ctx, B, reps) if compile else {}
     bw = copy_bandwidth("cpu")
     return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total, "layer_bytes": total - outer,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss": _rss(),
             "step_bytes": step_bytes, "bandwidth": bw, "t1": t1, "t4": t4, "t2": t2, "t_mtp": tm,
-            "n_moe_layers": n_moe}
+            "n_moe_layers": n_moe, **comp}
+
+
+def _compiled_times(model, state, ctx: int, B: int, reps: int) -> dict:
+    """--compile: the main model's decode buckets 1, 2 and 4 as the engine runs them
+    (`CompiledSteps`: AOTInductor packages on a CPU, built into the private cache unless
+    cached), timed on the same rows as the eager arm: ct1, ct2, ct4 and the build time."""
+    from dsv4.engine.compiled import CompiledSteps, private_cache_dir
+    from dsv4.model.state import Batch
+
+    steps = CompiledSteps(model, state, B, with_mtp=False, cache_dir=private_cache_dir())
+    build_s = steps.capture()
+    if steps.failed or not all(steps.ready.get(("main", n)) for n in (1, 2, 4)):
+        raise RuntimeError(f"compile failed: {steps.failed}")
+
+    def step(rows):
+        def run() -> None:
+            assert steps.main(Batch.build(rows), None) is not None
+            for s, start, _ in rows:
+                state.rollback(s, start)
+        return run
+
+    return {"ct1": _timed(step([(0, ctx, [5])]), reps), "ct2": _timed(step([(0, ctx, [5, 6])]), reps),
+            "ct4": _timed(step([(s, ctx, [5]) for s in range(B)]), reps), "compile_s": build_s,
+            "compiled_by": "aoti" if steps.aot else "torch.compile"}
 
 
 @contextmanager
@@ -328,6 +353,15 @@ def report(rows: list[dict], accept: float) -> str:
                    f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | {4 / r['t4']:.2f} "
                    f"| {r['step_bytes'] / 1e9:.2f} | {1e3 * floor:.0f} ({r['bandwidth'] / 1e9:.1f}) "
                    f"| {floor / r['t1']:.0%} | {r['t2'] / r['t1']:.2f} | {r['t_mtp'] / r['t1']:.2f} | {speed:.2f}x |")
+    comp = [r for r in rows if "ct1" in r]
+    if comp:
+        out += ["", "| arm (--compile) | built in s | batch 1 tok/s | vs eager | batch 4 tok/s | vs eager "
+                "| batch 4 / batch 1 | verify 2 / 1 | of floor |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in comp:
+            floor = r["step_bytes"] / r["bandwidth"]
+            out.append(f"| {r['arm']} ({r['compiled_by']}) | {r['compile_s']:.0f} | {1 / r['ct1']:.2f} "
+                       f"| {r['t1'] / r['ct1']:.2f}x | {4 / r['ct4']:.2f} | {r['t4'] / r['ct4']:.2f}x "
+                       f"| {r['ct1'] * 4 / r['ct4']:.2f}x | {r['ct2'] / r['ct1']:.2f} | {floor / r['ct1']:.0%} |")
     by = {r["arm"].split()[0]: r for r in rows}
     if "none" in by and "w8a8" in by:
         a, b = by["none"], by["w8a8"]
@@ -351,6 +385,8 @@ def main() -> None:
                     help="QUANTIZATION:DTYPE,... (QUANTIZATION none, w8a8, or transformers: its DeepseekV4ForCausalLM)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--accept", type=float, default=0.66, help="MTP acceptance (the embedded model's, K = 1)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the main model's compiled decode buckets 1, 2, 4 (built into the cache when cold)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make:
@@ -358,12 +394,12 @@ def main() -> None:
         return
     if a.one:
         q, dt = a.one.split(":")
-        print(json.dumps(hf_arm(a.dir, dt, a.reps) if q == "transformers" else arm(a.dir, q, dt, a.reps)))
+        print(json.dumps(hf_arm(a.dir, dt, a.reps) if q == "transformers" else arm(a.dir, q, dt, a.reps, a.compile)))
         return
     rows = []
     for spec in a.arms.split(","):
-        r = subprocess.run([sys.executable, __file__, "--dir", str(a.dir), "--one", spec, "--reps", str(a.reps)],
-                           capture_output=True, text=True)
+        r = subprocess.run([sys.executable, __file__, "--dir", str(a.dir), "--one", spec, "--reps", str(a.reps)]
+                           + (["--compile"] if a.compile else []), capture_output=True, text=True)
         if r.returncode != 0:
             print(f"arm {spec} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
             continue

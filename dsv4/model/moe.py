@@ -158,17 +158,12 @@ def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: tor
     T, k = idx.shape
     lim = moe.experts[lo].limit
     if T * k > GATHER_MAX * E:  # every expert, densely: zero weight for the unchosen
-        dense = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
-        gu = _expert_in(x, st, None)  # [T, E, 2I]
-        h = _swiglu(gu, lim) * dense.unsqueeze(-1)  # [T, E, I]
-        y = _expert_out(cast(h, x.dtype), st, None)  # [T, E, D]
-        for e in range(E):
-            out = out + f32(y[:, e])
-        return out
-    gu = _expert_in(x, st, idx)  # [T, k, 2I]
-    h = _swiglu(gu, lim) * weights.unsqueeze(-1)  # [T, k, I]
-    y = _expert_out(cast(h, x.dtype), st, idx)  # [T, k, D]
-    for j in range(k):
+        weights = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
+        idx = None
+    gu = _expert_in(x, st, idx)  # [T, n, 2I]: n = the k chosen experts, or all E (idx None)
+    h = _swiglu(gu, lim) * weights.unsqueeze(-1)  # [T, n, I]
+    y = _expert_out(cast(h, x.dtype), st, idx)  # [T, n, D]
+    for j in range(y.shape[1]):  # in increasing expert order
         out = out + f32(y[:, j])
     return out
 
