@@ -71,3 +71,14 @@ def test_nan_and_inf_logits_fall_back_to_a_one_hot_proposal() -> None:
     for i in (0, 1, 2):
         assert torch.equal(qs[i], torch.nn.functional.one_hot(torch.tensor(toks[i]), V).float())
     assert torch.isfinite(qs[3]).all() and qs[3][2] == 0 and abs(float(qs[3].sum()) - 1) < 1e-6
+
+
+def test_greedy_draft_with_a_penalty_is_the_penalised_argmax() -> None:
+    """A greedy request with a repetition penalty (`run --temperature 0` over the embedded
+    model's defaults): its draft is the argmax the target's processing takes, earlier drafts
+    counted, not the raw argmax."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 3.0, 2.9, 0.0, 0.0, 0.0]])  # (the prompt is [1, 2])
+    r = req(temperature=0.0, repetition_penalty=1.5)
+    toks, qs = propose(logits, [r], [[5, 3]], [4])  # token 3 already in the output: penalised below 2.9
+    assert toks == [4] and qs == [None]
+    assert propose(logits, [r], [[5]], [4])[0] == [3]  # without it in the history: the raw argmax
