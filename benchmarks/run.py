@@ -238,6 +238,8 @@ def acceptance(a: argparse.Namespace) -> None:
     llm = LLM(a.model, num_speculative_tokens=a.k, max_num_seqs=8, device=a.device, max_model_len=1024)
     default = llm.engine.default_params
     arms = {"greedy": SamplingParams(max_tokens=a.gen, ignore_eos=True),
+            "temperature 0 over the defaults (penalties kept)": SamplingParams(
+                **{**default.__dict__, "temperature": 0.0, "max_tokens": a.gen, "ignore_eos": True}),
             "default sampling": SamplingParams(**{**default.__dict__, "max_tokens": a.gen, "ignore_eos": True}),
             "default sampling, seed 0": SamplingParams(**{**default.__dict__, "max_tokens": a.gen, "ignore_eos": True,
                                                           "seed": 0})}
