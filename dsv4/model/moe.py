@@ -9,6 +9,8 @@ only selects). Weights are the chosen scores, renormalised and scaled by
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,6 +140,13 @@ class MoE(nn.Module):
 # on the embedded model (8 experts, top-2, 1 thread, docs/benchmark-log.md section 4):
 # gathering made the compiled 8-token step 0.42x of eager instead of 0.86x (dense).
 GATHER_MAX = 4
+# Experts this large (bytes of one expert's w1/w3) run in the compiled step as one opaque op,
+# `dsv4::moe_routed`: the eager grouped path (one GEMM per chosen expert, the library's
+# kernels), which the compiler calls rather than traces. A traced gather-reduction over
+# V4 Flash's experts (4096 x 4096 in bf16) ran the Flash-shaped slice's compiled decode at
+# 0.84x (batch 1) and 0.51x (batch 4) of eager (BENCHMARKS.md); the embedded model's
+# 0.4 MB experts are op-overhead bound, where the traced gather wins.
+OPAQUE_MIN_BYTES = 4 << 20
 
 
 def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, moe: MoE) -> torch.Tensor:
@@ -157,6 +166,9 @@ def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: tor
         weights, idx = weights.masked_fill(~mine, 0.0), (idx - lo).clamp(0, E - 1)
     T, k = idx.shape
     lim = moe.experts[lo].limit
+    if st["w13"][0].numel() * st["w13"].element_size() >= OPAQUE_MIN_BYTES:
+        return torch.ops.dsv4.moe_routed(out, x, weights, idx, st["w13"], st["w2"], st.get("s13"), st.get("s2"),
+                                         lim)
     if T * k > GATHER_MAX * E:  # every expert, densely: zero weight for the unchosen
         weights = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
         idx = None
@@ -207,3 +219,34 @@ def _expert_out(h: torch.Tensor, st: dict[str, torch.Tensor], idx: torch.Tensor 
         return (acc.float() * hs * st["s2"]).to(h.dtype)
     acc = (hq[:, :, None, :].to(torch.int32) * w[idx].to(torch.int32)).sum(-1)
     return (acc.float() * hs * st["s2"][idx]).to(h.dtype)
+
+
+@torch.library.custom_op("dsv4::moe_routed", mutates_args=())
+def moe_routed(acc: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
+               w2: torch.Tensor, s13: Optional[torch.Tensor], s2: Optional[torch.Tensor], limit: float) -> torch.Tensor:
+    """acc [T, D] float32 plus the routed shares of x [T, D] through the stacked local experts
+    idx [T, k] weighted by weights [T, k], grouped by expert (one GEMM each, increasing expert
+    order per token): the arithmetic of the eager `MoE.forward` (its experts' tensors are
+    views of these), as one op a compiled step calls without tracing it."""
+    out = acc.clone()
+    k = idx.shape[1]
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    tok, wsorted = order // k, weights.flatten()[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c:
+            t = tok[start:start + c]
+            xe = x[t]
+            gu = linear(xe, w13[e]) if s13 is None else kernels.w8a8_linear(xe, w13[e], s13[e])
+            h = cast(_swiglu(gu, limit) * wsorted[start:start + c].unsqueeze(-1), x.dtype)
+            y = linear(h, w2[e]) if s2 is None else kernels.w8a8_linear(h, w2[e], s2[e])
+            out.index_add_(0, t, f32(y))
+        start += c
+    return out
+
+
+@moe_routed.register_fake
+def _moe_routed_fake(acc, x, weights, idx, w13, w2, s13, s2, limit) -> torch.Tensor:
+    return torch.empty_like(acc)

@@ -164,11 +164,15 @@ def test_single_token_moe_equals_grouped():
     assert torch.allclose(grouped, single, atol=1e-6, rtol=1e-6)  # a few float32 ulps: matmuls of 1 and 3 rows
 
 
+@pytest.mark.parametrize("opaque", [False, True])
 @pytest.mark.parametrize("quantized", [False, True])
 @pytest.mark.parametrize("T", [1, 3, 40])  # 40 x top-2 > GATHER_MAX x 8 experts: the dense form
-def test_traced_moe_equals_eager(quantized, T):
+def test_traced_moe_equals_eager(quantized, T, opaque, monkeypatch):
     """The compiled step's MoE (`gathered`: the chosen experts' stacked weights, no host reads)
-    adds the same shares as the eager grouped MoE, float32 and int8."""
+    adds the same shares as the eager grouped MoE, float32 and int8; for large experts it is
+    the opaque op `dsv4::moe_routed`, the eager arithmetic itself: equal bit for bit."""
+    if opaque:
+        monkeypatch.setattr("dsv4.model.moe.OPAQUE_MIN_BYTES", 0)
     model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
     if quantized:
         to_w8a8(model)
@@ -182,3 +186,5 @@ def test_traced_moe_equals_eager(quantized, T):
         weights, idx = moe.gate(x, ids)
         got = gathered(layers.f32(moe.shared_experts(x)), x, weights, idx, moe)
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
+    if opaque:
+        assert torch.equal(got, ref)
