@@ -112,6 +112,7 @@ def main() -> int:
     K = config.num_speculative_tokens
     steps = CompiledSteps(model, runner.state, config.max_num_seqs * (1 + K), with_mtp=K > 0,
                           cache_dir=private_cache_dir())
+    steps.time_buckets = False  # the engine times what it loads
     steps.capture(build=False)  # what is there already
     todo = set(steps.missing())
     log.info("building %d decode bucket(s) in the background", len(todo))

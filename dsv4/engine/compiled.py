@@ -216,6 +216,8 @@ class CompiledSteps:
         self.aot: dict[tuple[str, int], artifacts.Loaded] = {}  # (kind, bucket) -> loaded package
         self.aot_built: list[tuple[str, int]] = []  # buckets whose package this start built (else loaded)
         self._state_tensors = state.tensors()  # a package's trailing inputs
+        self.time_buckets = True  # keep a bucket only where it beats eager (bucket_check); off in a builder
+        self.slower: set[tuple[str, int]] = set()  # buckets left eager because compiled was slower
         self._main = torch.compile(self._main_step, fullgraph=True, dynamic=False, mode=mode)
         self._mtp = (torch.compile(self._mtp_step, fullgraph=True, dynamic=False, mode=mode)
                      if model.has_mtp and with_mtp else None)
@@ -254,7 +256,7 @@ class CompiledSteps:
                 log.warning(self.failed[-1])
                 break
             if (self.use_artifacts and self._from_artifact(kind, n, build)) or not build:
-                self.ready[(kind, n)] = (kind, n) in self.aot
+                self.ready[(kind, n)] = (kind, n) in self.aot and self._wins(kind, n)
                 if progress is not None:
                     progress(i, len(todo))
                 continue
@@ -265,7 +267,7 @@ class CompiledSteps:
                         fn(ids, pos, slots)
                     else:
                         fn(ids, pos, slots, self._hidden_in(self._no_hidden, n))
-                self.ready[(kind, n)] = True
+                self.ready[(kind, n)] = self._wins(kind, n)
             except Exception as e:  # noqa: BLE001 (any compile failure: that bucket stays eager)
                 msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.failed.append(f"capture of the {kind} bucket of {n} tokens failed "
@@ -275,10 +277,38 @@ class CompiledSteps:
                 progress(i, len(todo))
         return time.perf_counter() - t0
 
+    def _wins(self, kind: str, n: int) -> bool:
+        """Whether the bucket's compiled program is faster than eager on a scratch dispatch
+        (`bucket_check`); a slower one is left eager (in `slower`, with one log line)."""
+        if not self.time_buckets or self.device.type != "cpu" or parallel.world_size() > 1:
+            return True
+        from ..model.state import Batch as B
+        from .bucket_check import compare
+
+        ids, pos, slots = self._padded(None, n)
+        hidden = self._hidden_in(self._no_hidden, n)
+        extra = (hidden,) if kind == "mtp" else ()
+        if (kind, n) in self.aot:
+            compiled = lambda: self.aot[(kind, n)](ids, pos, slots, *extra, *self._state_tensors)  # noqa: E731
+        else:
+            fn = self._main if kind == "main" else self._mtp
+            compiled = lambda: fn(ids, pos, slots, *extra)  # noqa: E731
+        batch = lambda: B.static_step(ids, pos, slots, self.state.max_len)  # noqa: E731
+        eager = ((lambda: self.model.forward_batch(batch(), self.state)) if kind == "main"
+                 else (lambda: self.model.mtp_forward(batch(), hidden, self.state)))
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            keep, tc, te = compare(eager, compiled)
+        if not keep:
+            self.slower.add((kind, n))
+            self.aot.pop((kind, n), None)
+            log.warning("--compile: the %s bucket of %d tokens runs eager: compiled %.1f ms a step, eager %.1f ms",
+                        kind, n, 1e3 * tc, 1e3 * te)
+        return keep
+
     def missing(self) -> list[tuple[str, int]]:
         """The (kind, bucket) pairs that do not run compiled (yet)."""
         kinds = ["main"] + (["mtp"] if self._mtp is not None else [])
-        return [(k, n) for k in kinds for n in self.buckets if not self.ready.get((k, n))]
+        return [(k, n) for k in kinds for n in self.buckets if not self.ready.get((k, n)) and (k, n) not in self.slower]
 
     def refresh(self) -> list[tuple[str, int]]:
         """Load the packages that appeared in the cache since (a background build's) for the
@@ -287,8 +317,9 @@ class CompiledSteps:
             return []
         new = []
         for kind, n in self.missing():
-            if artifacts.present(self.model, self.state, kind, n, self.cache_dir) and \
-                    self._from_artifact(kind, n, build=False):
+            if (kind, n) in self.slower or not artifacts.present(self.model, self.state, kind, n, self.cache_dir):
+                continue
+            if self._from_artifact(kind, n, build=False) and self._wins(kind, n):
                 self.ready[(kind, n)] = True
                 new.append((kind, n))
         return new

@@ -220,6 +220,7 @@ def test_failed_capture_names_its_bucket_and_runs_eager():
     model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
     state = model.new_state(3, 64, max_chunk=8, max_spec=2)
     steps = CompiledSteps(model, state, 4, with_mtp=False)
+    steps.time_buckets = False  # a stand-in is no faster than eager (test_a_bucket_slower_than_eager_runs_eager)
 
     def main(ids, pos, slots):
         if ids.shape[0] == 2:
@@ -237,3 +238,37 @@ def test_failed_capture_names_its_bucket_and_runs_eager():
         h, logits = steps.main(Batch.build([(0, 0, [5, 6, 7])]), None)  # 3 tokens padded into bucket 4
     assert h.shape[0] == 3 and logits.shape[0] == 3 and state.lengths[:2] == [3, 0]
     assert steps.calls["main"] == 1
+
+
+def test_a_bucket_slower_than_eager_runs_eager(caplog):
+    """Each captured bucket is timed against eager on a scratch dispatch (`bucket_check`) and
+    kept only where it is not slower (here a stand-in program that sleeps: no compile time)."""
+    import logging
+    import time
+
+    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.model.model import DeepseekV4, init_random
+    from dsv4.model.state import Batch
+    from tests.model.tiny import tiny_config
+
+    model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
+    state = model.new_state(3, 64, max_chunk=8, max_spec=2)
+    steps = CompiledSteps(model, state, 2, with_mtp=False)
+
+    with torch.inference_mode():
+        one = steps._main_step(*steps._padded(None, 1))  # bucket 1's stand-in returns this at once
+
+    def main(ids, pos, slots):
+        if ids.shape[0] == 1:
+            return one  # faster than any eager step
+        time.sleep(0.05)  # far slower than an eager step of this model
+        return steps._main_step(ids, pos, slots)
+
+    steps._main = main
+    with caplog.at_level(logging.WARNING, logger="dsv4.compile"):
+        steps.capture()
+    assert steps.ready == {("main", 1): True, ("main", 2): False} and steps.slower == {("main", 2)}
+    assert steps.missing() == [] and steps.in_use() == {"main": [1], "mtp": []}
+    assert any("the main bucket of 2 tokens runs eager: compiled" in r.getMessage() for r in caplog.records)
+    with torch.inference_mode():
+        assert steps.main(Batch.build([(0, 0, [5, 6])]), None) is None  # the caller runs eager
