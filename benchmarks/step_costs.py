@@ -50,7 +50,8 @@ def main() -> None:
     state = model.new_state(9, 1024, max_chunk=129, max_spec=4)  # slot 8: the compiled buckets' scratch
     steps = None
     if a.compile:
-        from dsv4.engine.compiled import CompiledSteps, private_cache_dir
+        from dsv4.engine.compile_env import private_cache_dir
+        from dsv4.engine.compiled import CompiledSteps
 
         private_cache_dir()
         steps = CompiledSteps(model, state, 16, mode=a.compile_mode)

@@ -33,6 +33,7 @@ this process. Anything else: one warning line with the reason, then a rebuild.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -89,7 +90,9 @@ def cpu_isa() -> str:
     return f"{type(isa).__name__}:{isa}" if isa else ""
 
 
+@functools.lru_cache(maxsize=None)
 def _source_hash() -> str:
+    """sha256 of dsv4/model/*.py as this process read them (once: polling for packages reads no files)."""
     h = hashlib.sha256()
     for p in sorted(MODEL_DIR.glob("*.py")):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")

@@ -99,7 +99,8 @@ def main() -> int:
     import torch
 
     from ..model.loader import load_model
-    from .compiled import CompiledSteps, private_cache_dir
+    from .compile_env import private_cache_dir
+    from .compiled import CompiledSteps
     from .runner import Runner
 
     torch.set_num_threads(1)
@@ -109,9 +110,7 @@ def main() -> int:
     runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
                     max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
                     device=torch.device(config.device), scratch_slot=True)
-    K = config.num_speculative_tokens
-    steps = CompiledSteps(model, runner.state, config.max_num_seqs * (1 + K), with_mtp=K > 0,
-                          cache_dir=private_cache_dir())
+    steps = CompiledSteps.for_config(model, runner.state, config, private_cache_dir())
     steps.time_buckets = False  # the engine times what it loads
     steps.capture(build=False)  # what is there already
     todo = set(steps.missing())

@@ -19,7 +19,8 @@ from typing import Any, Callable
 import torch
 
 from ..model import parallel
-from .compiled import CompiledSteps, CompileUnavailable, check_backend, private_cache_dir
+from .compile_env import CompileUnavailable, check_backend, private_cache_dir
+from .compiled import CompiledSteps
 
 log = logging.getLogger("dsv4.compile")
 
@@ -35,12 +36,7 @@ def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None
         if runner.device.type != "cpu" or parallel.world_size() > 1:
             return "compile: off (by default only a CPU with one rank loads compiled buckets; --compile builds them)"
         return _load_cached(runner, config, progress)
-    reason = ""
-    try:
-        cache = private_cache_dir()
-        check_backend(runner.device)
-    except CompileUnavailable as e:
-        reason = str(e)
+    cache, reason = _cache_or_refusal(runner)
     if parallel.world_size() > 1:  # all ranks compile, or none
         refused = parallel.all_reduce_max(torch.tensor([1.0 if reason else 0.0], device=runner.device))
         if refused.item() and not reason:
@@ -48,9 +44,7 @@ def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None
     if reason:
         log.warning("--compile: %s; running eager", reason)
         return f"compile: off ({reason})"
-    K = config.num_speculative_tokens
-    steps = CompiledSteps(runner.model, runner.state, config.max_num_seqs * (1 + K), with_mtp=K > 0,
-                          cache_dir=cache)
+    steps = CompiledSteps.for_config(runner.model, runner.state, config, cache)
     secs = steps.capture(progress=progress)
     ok = sorted({n for (_, n), r in steps.ready.items() if r})
     if ok:
@@ -64,14 +58,10 @@ def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None
 
 def _load_cached(runner: Any, config: Any, progress: Callable[[int, int], None] | None) -> str:
     """--compile auto: install the buckets whose packages are cached; silent when it cannot."""
-    try:
-        cache = private_cache_dir()
-        check_backend(runner.device)
-    except CompileUnavailable as e:
-        return f"compile: off ({e})"
-    K = config.num_speculative_tokens
-    steps = CompiledSteps(runner.model, runner.state, config.max_num_seqs * (1 + K), with_mtp=K > 0,
-                          cache_dir=cache)
+    cache, reason = _cache_or_refusal(runner)
+    if reason:
+        return f"compile: off ({reason})"
+    steps = CompiledSteps.for_config(runner.model, runner.state, config, cache)
     if not steps.use_artifacts:
         return "compile: off (no compiled packages for this configuration)"
     steps.capture(progress=progress, build=False)
@@ -82,3 +72,13 @@ def _load_cached(runner: Any, config: Any, progress: Callable[[int, int], None] 
         return f"compile: decode buckets {', '.join(map(str, loaded))} tokens loaded from the cache ({cache})"
     return (f"compile: {len(loaded)} of {len(loaded) + len(missing)} decode buckets cached"
             + (f" ({', '.join(map(str, loaded))} tokens)" if loaded else "") + "; the others run eager")
+
+
+def _cache_or_refusal(runner: Any) -> tuple[Any, str]:
+    """(the checked private cache dir, "") or (None, why this process cannot compile)."""
+    try:
+        cache = private_cache_dir()
+        check_backend(runner.device)
+        return cache, ""
+    except CompileUnavailable as e:
+        return None, str(e)

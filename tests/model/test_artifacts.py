@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from dsv4.engine import artifacts
-from dsv4.engine.compiled import CompiledSteps, CompileUnavailable, check_backend, private_cache_dir
+from dsv4.engine.compile_env import CompileUnavailable, check_backend, private_cache_dir
+from dsv4.engine.compiled import CompiledSteps
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.state import Batch
 from tests.model.tiny import tiny_config

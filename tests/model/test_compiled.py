@@ -37,8 +37,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.compiled import (CompileUnavailable, buckets, check_backend, private_cache_dir,
-                                  recheck_cache_dir)
+from dsv4.engine.compile_env import (CompileUnavailable, buckets, check_backend, private_cache_dir,
+                                     recheck_cache_dir)
 from tests.checkpoints import write_tiny_checkpoint
 from tests.e2e.util import dsv4, env_for
 
