@@ -201,7 +201,13 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
 
         log.info("node %d of %d: joining rank 0 at %s:%s", config.node_rank, config.nnodes, config.master_addr,
                  config.master_port)
-        return serve_node(config)
+        code = serve_node(config)  # the group is left and its ranks are gone: nothing else to tear down
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # without C++ static destructors: gloo's threads sometimes abort them at interpreter exit
+        # ("terminate called without an active exception", exit -6; once in a suite run here)
+        os._exit(code)
     os.umask(0o077)  # the socket file is private from the moment it is bound
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():
