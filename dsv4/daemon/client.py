@@ -19,12 +19,14 @@ daemon knows it is alive, and checks that the daemon still is. With an API key
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import uuid
 from typing import Any, Iterator
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dsv4.daemon import protocol as P
 from dsv4.daemon.paths import check_socket_dir, check_socket_file, daemon_pid, ipc_path
@@ -33,6 +35,8 @@ PING_TIMEOUT_S = 3.0
 BUSY_PING_TIMEOUT_S = 30.0  # a live local daemon answers mid-step too (its step watch); margin for a loaded CPU
 SILENCE_TIMEOUT_S = 60.0  # tcp only: no word from the daemon for this long means it is gone
 NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
+DROPPED = ("the dsv4 daemon dropped this connection (it refuses connections for a second when too many "
+           "are open, or it stopped); the request was lost: run it again")
 
 
 class DaemonUnreachable(Exception):
@@ -41,6 +45,10 @@ class DaemonUnreachable(Exception):
 
 class DaemonTimeout(Exception):
     """The daemon did not answer in time (exit status 75)."""
+
+
+class DaemonDropped(DaemonUnreachable):
+    """The daemon dropped the connection with a request in flight (exit status 69)."""
 
 
 class DaemonError(Exception):
@@ -67,6 +75,10 @@ class Client:
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # the daemon drops every connection while it refuses them (a connection flood): a
+        # request in flight on a dropped connection is lost, so `call` sends it again and a
+        # stream ends with `DROPPED` instead of waiting out its timeout
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
         self._last_sent = 0.0
         self._last_heard = time.monotonic()
@@ -82,6 +94,8 @@ class Client:
     def close(self, linger_ms: int | None = None) -> None:
         if linger_ms is not None:
             self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._sock.disable_monitor()
+        self._monitor.close(0)
         self._sock.close()
         self._ctx.term()
 
@@ -98,25 +112,49 @@ class Client:
         self._last_sent = time.monotonic()
 
     def recv(self, timeout_s: float | None) -> dict[str, Any] | None:
-        """The next message from the daemon, or None after `timeout_s` (None = wait forever)."""
+        """The next message from the daemon, or None after `timeout_s` (None = wait forever).
+        Raises `DaemonDropped` when the daemon dropped the connection meanwhile."""
         if self._pending:
             return self._pending.pop(0)
         ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
-        if not self._sock.poll(ms, zmq.POLLIN):
-            return None
-        msg = P.decode_reply(self._sock.recv())
-        self._last_heard = time.monotonic()
-        return msg
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        ready = dict(poller.poll(ms))
+        if self._sock in ready:
+            msg = P.decode_reply(self._sock.recv())
+            self._last_heard = time.monotonic()
+            return msg
+        if self._monitor in ready and self._dropped():
+            raise DaemonDropped(DROPPED)
+        return None
+
+    def _dropped(self) -> bool:
+        """Read the monitor's disconnect events: whether there was one."""
+        seen = False
+        while True:
+            try:
+                recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return seen
+            seen = True
 
     def call(self, req: P.Request, timeout_s: float = PING_TIMEOUT_S) -> dict[str, Any]:
-        """Send one request and wait for the reply with its id; keeps other messages for later."""
+        """Send one request and wait for the reply with its id; keeps other messages for later.
+        The requests sent this way (ping, status, shutdown, cancel) may be repeated: one lost on
+        a dropped connection goes again (ZeroMQ queues it until the daemon accepts again)."""
         self.send(req.to_wire())
         deadline = time.monotonic() + timeout_s
         held = []
         try:
             while True:
                 left = deadline - time.monotonic()
-                msg = self.recv(left) if left > 0 else None
+                try:
+                    msg = self.recv(left) if left > 0 else None
+                except DaemonDropped:
+                    req = dataclasses.replace(req, id=new_id())  # a late answer to the first is not this one
+                    self.send(req.to_wire())
+                    continue
                 if msg is None:
                     raise DaemonTimeout(f"the dsv4 daemon at {self.endpoint} did not answer '{req.TYPE}' "
                                         f"within {timeout_s:g} s")

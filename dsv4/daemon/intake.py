@@ -135,6 +135,7 @@ class ConnectionGuard:
         self._unbound = threading.Event()  # set while unbound
         soft = descriptor_limit()
         self._low_water = None if soft is None else 3 * headroom(soft) // 4
+        self._near = False  # free descriptors under twice the low water mark when last looked at
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
         if lock is not None:
@@ -145,21 +146,31 @@ class ConnectionGuard:
         """Read the monitor's events (waiting up to `timeout_ms` for the first) and flag the limit:
         `limit` connections counted, or free descriptors under the low water mark. The count
         lags the accepts (libzmq accepts faster than Python reads events), so the descriptors
-        themselves are looked at every CHECK_EVERY events."""
+        themselves are looked at every CHECK_EVERY events, and at every event once fewer than
+        twice the low water mark are free (the events come slower than the accepts when
+        another thread holds the GIL: each read waits for its turn)."""
         n = 0
         while True:
             try:
-                if n == 0 and timeout_ms and not self.monitor.poll(timeout_ms):
+                if n == 0 and not self.monitor.poll(timeout_ms):
                     return
+            except zmq.ZMQError:  # closed while stopping
+                return
+            # the descriptors first, before the event that woke us is read: under a flood every
+            # read waits for the GIL, and libzmq accepts meanwhile
+            if (n % CHECK_EVERY == 0 or self._near) and self._unbound_at is None and self._low_water is not None:
+                free = free_descriptors()
+                if free is not None:
+                    self._near = free < 2 * self._low_water  # near the mark: look before every event
+                    if free < self._low_water:
+                        self._over.set()
+                        return
+            try:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
             except zmq.ZMQError:  # closed while stopping
                 return
-            if n % CHECK_EVERY == 0 and self._unbound_at is None and self._low_water is not None:
-                free = free_descriptors()
-                if free is not None and free < self._low_water:
-                    self._over.set()
             n += 1
             if event == zmq.EVENT_ACCEPTED:
                 self.open += 1

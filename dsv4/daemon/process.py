@@ -230,6 +230,11 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         for path in remove_stale(endpoint):
             log.info("removed stale socket %s left by a daemon that died", path)
         soft, hard = raise_fd_limit()  # before HTTP takes its share of descriptors
+        # the connection guard and the step watch are threads that must act within a few ms of
+        # waking (libzmq accepts a flood meanwhile) while the HTTP thread runs Python: a thread
+        # waiting for the GIL gets it after 1 ms instead of the default 5 (the engine's work is
+        # torch's, which releases the GIL, so the extra switches cost nothing measurable)
+        sys.setswitchinterval(0.001)
         if http is not None:  # answers /health with 503 (and requests with 503) while the model loads
             import zmq
 

@@ -183,7 +183,8 @@ def test_connection_floods_and_slowloris_cannot_take_the_descriptors(served: Ser
             z.connect(served.endpoint)
             dealers.append(z)
         peak = max(peak, served.fds())
-        assert wait_until(lambda: "refusing connections" in served.log.read_text(), timeout=30)
+        assert wait_until(lambda: "refusing connections" in served.log.read_text(), timeout=30), \
+            f"exit status {served.proc.poll()}\n{served.log.read_text()}"
         for z in dealers:
             z.close(0)
         assert served.proc.poll() is None, served.log.read_text()
