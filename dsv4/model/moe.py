@@ -116,11 +116,11 @@ class MoE(nn.Module):
             out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if torch.compiler.is_compiling():  # no host reads: the experts' weights gathered per token
             return cast(parallel.all_reduce(gathered(out, x, weights, idx, self)), x.dtype)
-        if x.shape[0] == 1:  # decode of one token: no grouping needed
-            for j, e in sorted(enumerate(idx[0].tolist()), key=lambda je: je[1]):
-                if e in local:
-                    out = out + f32(self.experts[e](x, weights[:, j]))
+        if self._stacked_current() and not torch.is_grad_enabled():
+            out = routed(out, x, weights, idx, self.stacked, self.local.start, len(self.experts),
+                         self.experts[self.local.start].limit)
             return cast(parallel.all_reduce(out), x.dtype)
+        # unfused (or training): expert by expert through the modules
         flat = idx.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -133,6 +133,15 @@ class MoE(nn.Module):
                 out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
             start += c
         return cast(parallel.all_reduce(out), x.dtype)
+
+    def _stacked_current(self) -> bool:
+        """Whether `fuse()` stacked the local experts and their weights still live there."""
+        st = self.stacked
+        if st is None:
+            return False
+        first, last = self.experts[self.local.start], self.experts[self.local.stop - 1]
+        return (first.w1.weight.data_ptr() == st["w13"].data_ptr()
+                and last.w2.weight.data_ptr() == st["w2"][-1].data_ptr())
 
 
 # The traced MoE gathers the chosen experts' weights while tokens x top-k <= GATHER_MAX x
@@ -221,30 +230,63 @@ def _expert_out(h: torch.Tensor, st: dict[str, torch.Tensor], idx: torch.Tensor 
     return (acc.float() * hs * st["s2"][idx]).to(h.dtype)
 
 
+def routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+           st: dict[str, torch.Tensor], lo: int, n_experts: int, limit: float) -> torch.Tensor:
+    """The grouped MoE: out [T, D] float32 (updated in place and returned) plus the routed
+    shares of x [T, D] through the experts idx [T, k] (global ids; this rank's are
+    lo .. lo + len(st["w13"]) - 1) weighted by weights [T, k]. The token-expert pairs are
+    sorted by expert, and each chosen expert runs one GEMM pair over all its tokens from the
+    stacked weights (`MoE.fuse`), adding its shares in increasing expert order per token.
+    Under w8a8 each token's activation is quantised once for all its experts (per-token
+    scales: the same bits as quantising it per expert) and each (token, expert) row of the
+    SwiGLU output once, as the expert's w2 does."""
+    quant = "s13" in st
+    if quant:
+        xq, xs = kernels.quantize_tokens(x)  # [T, D] int8, [T, 1]
+    for e, t, w in _groups(idx, weights, lo, st["w13"].shape[0], n_experts):
+        xe = x if t is None else x[t]  # [c, D]
+        if quant:  # w8a8_linear's arithmetic on the rows quantised above
+            xe_q, xe_s = (xq, xs) if t is None else (xq[t], xs[t])
+            gu = (kernels.int_mm(xe_q, st["w13"][e]).float() * xe_s * st["s13"][e]).to(x.dtype)
+        else:
+            gu = linear(xe, st["w13"][e])
+        h = cast(_swiglu(gu, limit) * w.unsqueeze(-1), x.dtype)  # [c, I]
+        y = linear(h, st["w2"][e]) if not quant else kernels.w8a8_linear(h, st["w2"][e], st["s2"][e])
+        if t is None:
+            out = out + f32(y)
+        else:
+            out.index_add_(0, t, f32(y))
+    return out
+
+
+def _groups(idx: torch.Tensor, weights: torch.Tensor, lo: int, E: int, n_experts: int):
+    """(local expert, its tokens' rows [c] (None: the one token), their weights [c]) for each
+    chosen local expert lo .. lo + E - 1, in increasing expert order."""
+    T, k = idx.shape
+    if T == 1:  # decode of one token: no sorting needed
+        for e, j in sorted(zip(idx[0].tolist(), range(k))):
+            if lo <= e < lo + E:
+                yield e - lo, None, weights[:, j]
+        return
+    flat = idx.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=n_experts).tolist()
+    tok, wsorted = order // k, weights.flatten()[order]
+    start = sum(counts[:lo])
+    for e in range(E):
+        c = counts[lo + e]
+        if c:
+            yield e, tok[start:start + c], wsorted[start:start + c]
+        start += c
+
+
 @torch.library.custom_op("dsv4::moe_routed", mutates_args=())
 def moe_routed(acc: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
                w2: torch.Tensor, s13: Optional[torch.Tensor], s2: Optional[torch.Tensor], limit: float) -> torch.Tensor:
-    """acc [T, D] float32 plus the routed shares of x [T, D] through the stacked local experts
-    idx [T, k] weighted by weights [T, k], grouped by expert (one GEMM each, increasing expert
-    order per token): the arithmetic of the eager `MoE.forward` (its experts' tensors are
-    views of these), as one op a compiled step calls without tracing it."""
-    out = acc.clone()
-    k = idx.shape[1]
-    flat = idx.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    tok, wsorted = order // k, weights.flatten()[order]
-    start = 0
-    for e, c in enumerate(counts):
-        if c:
-            t = tok[start:start + c]
-            xe = x[t]
-            gu = linear(xe, w13[e]) if s13 is None else kernels.w8a8_linear(xe, w13[e], s13[e])
-            h = cast(_swiglu(gu, limit) * wsorted[start:start + c].unsqueeze(-1), x.dtype)
-            y = linear(h, w2[e]) if s2 is None else kernels.w8a8_linear(h, w2[e], s2[e])
-            out.index_add_(0, t, f32(y))
-        start += c
-    return out
+    """`routed` (the eager grouped MoE) on local expert indices idx [T, k], as one op a
+    compiled step calls without tracing it."""
+    st = {"w13": w13, "w2": w2, **({"s13": s13, "s2": s2} if s13 is not None else {})}
+    return routed(acc.clone(), x, weights, idx, st, 0, w13.shape[0], limit)
 
 
 @moe_routed.register_fake
