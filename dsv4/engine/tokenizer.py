@@ -6,9 +6,11 @@ Contract:
   else from the DeepSeek names `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>`.
 - `encode(text)` treats text as plain text: a special-token string inside it (for example
   `<｜User｜>`) is tokenised as ordinary characters, never mapped to the special id.
-- `encode_prompt(text, mode=...)` builds the single-turn DeepSeek V4 chat prompt
-  `BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>)` as ids:
-  special tokens by id, each text encoded on its own, so user text cannot inject them.
+- `encode_chat(messages, ...)` renders a conversation in DeepSeek V4's encoding
+  (`dsv4.agents.encoding`: tools, tool calls, tool results, reasoning effort) as ids:
+  special tokens by id, texts encoded as plain text, so no content can inject them.
+  `encode_prompt(text, mode=...)` builds the single-turn chat prompt
+  `BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>)` through it.
   A raw prompt starts with BOS only where the tokenizer says so (`Tokenizer.add_bos`):
   `add_bos_token` in tokenizer_config.json, else whether tokenizer.json's post-processor
   adds it (what transformers' `AutoTokenizer` does with such a file), else not.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Sequence
+from typing import Any, Literal, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -179,35 +181,33 @@ class Tokenizer:
                                      f"{'thinking mode' if thinking else 'system prompt'}")
         if mode == "raw":
             return self.encode(text, add_bos=self.add_bos if add_bos is None else add_bos)
-        user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)
-        think = self._require(THINK_START_TOKEN if thinking else THINK_END_TOKEN)
-        ids = [self._bos()] if add_bos is None or add_bos else []
-        if system:
-            ids += self.encode(system)
-        return ids + [user] + self.encode(text) + [assistant, think]
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return self.encode_chat(msgs, thinking=thinking, add_bos=add_bos is None or add_bos)
 
-    def encode_chat(self, messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True) -> list[int]:
-        """Prompt ids for a conversation of {role, content} messages (DeepSeek V4's encoding).
-
-        BOS + system texts + per turn `<｜User｜>` text (user, tool) or `<｜Assistant｜></think>`
-        text `<｜end▁of▁sentence｜>` (earlier assistant answers, without their thinking), then
-        `<｜Assistant｜>` + (`<think>` if thinking else `</think>`). Texts are encoded as plain
-        text, so message content cannot inject special tokens.
+    def encode_chat(self, messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True,
+                    tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                    reasoning_effort: str | None = None, response_format: dict | None = None) -> list[int]:
+        """Prompt ids for an OpenAI-style conversation in DeepSeek V4's encoding
+        (`dsv4.agents.encoding`: system text bare, `<｜User｜>` turns, finished assistant turns
+        with their DSML tool calls and `<｜end▁of▁sentence｜>`, tool results merged into user
+        turns, the "## Tools" block), ending `<｜Assistant｜>` + (`<think>` if thinking else
+        `</think>`). Texts are encoded as plain text, so message content cannot inject special
+        tokens. Bad messages or options raise TokenizerError (one line).
         """
-        user, assistant = self._require(USER_TOKEN), self._require(ASSISTANT_TOKEN)
-        think_end = self._require(THINK_END_TOKEN)
-        ids = [self._bos()] if add_bos else []
-        for m in messages:
-            role, text = m.get("role"), str(m.get("content") or "")
-            if role == "system":
-                ids += self.encode(text)
-            elif role == "assistant":
-                if self.eos_id is None:
-                    raise TokenizerError(f"tokenizer from {self.source} has no EOS token to end an assistant turn")
-                ids += [assistant, think_end] + self.encode(text) + [self.eos_id]
-            else:  # user, tool
-                ids += [user] + self.encode(text)
-        return ids + [assistant, self._require(THINK_START_TOKEN) if thinking else think_end]
+        from dsv4.agents.encoding import ChatOptions, EncodingError, encode_messages
+
+        for token in (USER_TOKEN, ASSISTANT_TOKEN):  # the usual message for a model without a chat template
+            self._require(token)
+        options = ChatOptions(thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
+                              tool_choice=tool_choice, response_format=response_format, add_bos=add_bos)
+        try:
+            return encode_messages(self, messages, options)
+        except EncodingError as e:
+            raise TokenizerError(str(e)) from None
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary string of an id (byte-level form, as `convert_ids_to_tokens`), or None."""
+        return self._tok.id_to_token(token_id)
 
     def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
         """A fresh streaming detokeniser over this tokenizer."""
@@ -291,15 +291,21 @@ def _prepends_special(post_processor: object, bos_id: int, tok: HFTokenizer) -> 
     return isinstance(name, str) and tok.token_to_id(name) == bos_id
 
 
-def chat_prompt(tokenizer: Tokenizer | None, messages: Sequence[dict], *, thinking: bool = False) -> str | list[int]:
-    """The prompt for a conversation, sent raw: token ids through DeepSeek's chat template
-    when the tokenizer has its chat tokens (`Tokenizer.encode_chat`), else plain
-    continuation text, each message's content on its own line, ending with a newline
-    (the embedded Shakespeare model, which has no chat template)."""
+def chat_prompt(tokenizer: Tokenizer | None, messages: Sequence[dict], *, thinking: bool = False,
+                **options: Any) -> str | list[int]:
+    """The prompt for a conversation, sent raw: token ids through DeepSeek V4's encoding
+    when the tokenizer has its chat tokens (`Tokenizer.encode_chat`, which takes `options`:
+    tools, tool_choice, reasoning_effort, response_format), else plain continuation text,
+    each message's content on its own line, ending with a newline (the embedded Shakespeare
+    model, which has no chat template, so no thinking mode and no such options)."""
     if tokenizer is not None and tokenizer.has_chat_tokens:
-        return tokenizer.encode_chat(messages, thinking=thinking)
+        return tokenizer.encode_chat(messages, thinking=thinking, **options)
     if thinking:
         raise TokenizerError("this model has no chat template, so no thinking mode")
+    unused = ("tool_choice", "tools") if options.get("tool_choice") == "none" else ("tool_choice",)
+    for name, value in options.items():
+        if value is not None and name not in unused:
+            raise TokenizerError(f"this model has no chat template, so no {name}")
     text = "".join(str(m.get("content") or "") + "\n" for m in messages if m.get("content"))
     if not text:
         raise TokenizerError("the messages are empty")

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/models, /v1/completions, /v1/chat/completions,
-/health, /metrics. What clients may rely on is in the README, "OpenAI-compatible HTTP API".
+/health, /metrics, and vLLM's /tokenize and /detokenize. What clients may rely on is in the README,
+"OpenAI-compatible HTTP API".
 
 Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
 (one DEALER for the whole app); the reply queue is read until the final message.
@@ -22,6 +23,9 @@ Each HTTP request becomes one daemon `generate` per prompt, sent through the `Br
   disconnects cancels its requests (the generator's `finally`, or the disconnect watch of
   non-streaming requests).
 * Thinking mode: text before `</think>` is `reasoning_content`, the rest `content`.
+* /tokenize answers `{count, max_model_len, tokens, token_strs}` with exactly the ids a chat
+  (`messages`) or completion (`prompt`) request would send; /detokenize `{prompt}`. Both
+  tokenize on a worker thread (a body may hold 8 MiB of text) and need the key like /v1/*.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from dsv4.daemon import protocol as P
 from dsv4.http.bridge import Bridge, DaemonUnavailable
 from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
-from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion
+from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from dsv4.http.stream import ReasoningSplitter
 from dsv4.http.submit import DEFAULT_MAX_PROMPTS, client_of, submit
 
@@ -180,6 +184,21 @@ class Api:
         self._auth(request)
         body = await self._body(request)
         return await self._serve(request, parse_chat(body, self.tokenizer), chat=True, client=client_of(request, body))
+
+    async def tokenize(self, request: Request) -> Response:
+        self._auth(request)
+        body = await self._body(request)
+        strs = body.get("return_token_strs")
+        if strs is not None and not isinstance(strs, bool):
+            raise ApiError(400, "return_token_strs must be true or false", "return_token_strs")
+        ids = await asyncio.to_thread(parse_tokenize, body, self.tokenizer)
+        return JSONResponse({"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids,
+                             "token_strs": [self.tokenizer.id_to_token(i) for i in ids] if strs else None})
+
+    async def detokenize(self, request: Request) -> Response:
+        self._auth(request)
+        body = await self._body(request)
+        return JSONResponse({"prompt": await asyncio.to_thread(parse_detokenize, body, self.tokenizer)})
 
     # ------------------------------------------------------------------ generation
     async def _serve(self, request: Request, parsed: Parsed, chat: bool, client: str) -> Response:
@@ -371,6 +390,8 @@ def build_app(api: Api) -> Starlette:
         Route("/v1/models", api.models, methods=["GET"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),
+        Route("/tokenize", api.tokenize, methods=["POST"]),
+        Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_endpoint, methods=["GET"]),
     ]

@@ -13,9 +13,15 @@ unless its value changes nothing (`response_format: {"type": "text"}`, `n: 1`, `
 ignored, as OpenAI ignores what it does not know.
 
 Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
-rendered to token ids by `Tokenizer.encode_chat` (thinking mode from `thinking` or
-`chat_template_kwargs.thinking`); a model without them (the embedded Shakespeare model)
-continues the messages' text, one per line.
+rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`), with `tools`,
+`tool_choice` ("none" renders no tools), `reasoning_effort` and assistant `tool_calls` /
+`reasoning_content` and `tool` messages; thinking mode from `thinking: {type: enabled |
+disabled}`, `chat_template_kwargs.thinking` / `enable_thinking`, or `reasoning_effort` (any
+effort but "none" turns it on unless a switch says otherwise). `tool_choice` "required" or a
+named function needs constrained decoding, which dsv4 does not do yet: a 400. A model
+without the chat tokens (the embedded Shakespeare model) continues the messages' text, one
+per line, and refuses the agent fields. `parse_tokenize` gives POST /tokenize exactly the
+ids a chat (or completion) request would use.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, check_tools, encode_messages, \
+    thinking_mode
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
@@ -44,8 +52,8 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of is not supported by this server"),
     "echo": (lambda v: v is False, "echo is not supported by this server"),
     "suffix": (lambda v: v == "", "suffix is not supported by this server"),
-    "tools": (lambda v: v == [], "tools are not supported by this server"),
-    "tool_choice": (lambda v: v == "none", "tool_choice is not supported by this server (tools are not)"),
+    "tools": (lambda v: v == [], "tools are for /v1/chat/completions, not completions"),
+    "tool_choice": (lambda v: v == "none", "tool_choice is for /v1/chat/completions, not completions"),
     "functions": (lambda v: v == [], "functions are not supported by this server"),
     "function_call": (lambda v: v == "none", "function_call is not supported by this server"),
     "audio": (_NEVER, "audio output is not supported by this server"),
@@ -53,8 +61,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "prediction": (_NEVER, "prediction (predicted outputs) is not supported by this server"),
     "web_search_options": (_NEVER, "web search is not supported by this server"),
     "verbosity": (_NEVER, "verbosity is not supported by this server"),
-    "reasoning_effort": (_NEVER, "reasoning_effort is not supported by this server; turn thinking mode on with "
-                                 '"thinking": {"type": "enabled"} or "chat_template_kwargs": {"thinking": true}'),
+    "reasoning_effort": (_NEVER, "reasoning_effort is for /v1/chat/completions, not completions"),
     "store": (lambda v: v is False, "store is not supported by this server (nothing is stored)"),
     "service_tier": (lambda v: v in ("auto", "default"), "service_tier: only auto or default"),
     # vLLM's extensions that change the answer
@@ -109,9 +116,15 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def refuse_unsupported(body: dict[str, Any]) -> None:
-    """400 naming the first field of `REFUSED` whose value is neither null nor a no-op."""
+# fields of REFUSED that a chat request honours (the prompt encoding renders them)
+CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort")
+
+
+def refuse_unsupported(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> None:
+    """400 naming the first field of `REFUSED` (but `honoured`) whose value is neither null nor a no-op."""
     for name, (noop, reason) in REFUSED.items():
+        if name in honoured:
+            continue
         value = body.get(name)
         if value is not None and not noop(value):
             raise _bad(f"{reason}; got {name} = {_short(value)}", name)
@@ -122,7 +135,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
+def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[str, Any], bool, bool]:
     """Sampling parameters, stream, include_usage: the fields completions and chat share."""
     params: dict[str, Any] = {}
     for name in _PASSTHROUGH:
@@ -141,7 +154,7 @@ def _common(body: dict[str, Any]) -> tuple[dict[str, Any], bool, bool]:
             raise _bad("stop must be a string or a list of strings", "stop")
         if stop:
             params["stop"] = stop
-    refuse_unsupported(body)
+    refuse_unsupported(body, honoured)
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -201,23 +214,40 @@ def _content(msg: dict[str, Any], i: int) -> str:
     raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
-def thinking_of(body: dict[str, Any]) -> bool:
-    """DeepSeek's `thinking: {type: enabled}`, vLLM/SGLang's `chat_template_kwargs.thinking`."""
+def thinking_switch(body: dict[str, Any]) -> bool | None:
+    """DeepSeek's `thinking: {type: enabled | disabled}` (or a bool), else vLLM/SGLang's
+    `chat_template_kwargs.thinking` / `enable_thinking`; None when the body says nothing."""
     t = body.get("thinking")
     if isinstance(t, dict):
-        return t.get("type") == "enabled"
+        if t.get("type") not in ("enabled", "disabled"):
+            raise _bad(f'thinking.type must be "enabled" or "disabled"; got {_short(t.get("type"))}', "thinking")
+        return t["type"] == "enabled"
     if isinstance(t, bool):
         return t
+    if t is not None:
+        raise _bad('thinking must be {"type": "enabled"} or {"type": "disabled"}', "thinking")
     kw = body.get("chat_template_kwargs")
     if isinstance(kw, dict):
         for key in ("thinking", "enable_thinking"):
             if isinstance(kw.get(key), bool):
                 return kw[key]
-    return False
+    return None
 
 
-def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
-    """[{role, content}] with text content; roles system, developer, user, assistant, tool."""
+def thinking_of(body: dict[str, Any]) -> bool:
+    """Thinking mode of a chat body: the switch, else on for any `reasoning_effort` but "none", else off."""
+    try:
+        return thinking_mode(thinking_switch(body), body.get("reasoning_effort"))
+    except EncodingError as e:
+        raise _bad(str(e), e.param) from None
+
+
+_KEPT = ("tool_calls", "tool_call_id", "reasoning_content", "reasoning")  # what the encoding reads beside content
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """[{role, content, ...}] with text content; roles system, developer (as system), user,
+    assistant, tool; an assistant's tool_calls and reasoning, a tool's tool_call_id kept."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise _bad("messages must be a non-empty list", "messages")
@@ -229,17 +259,91 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"messages[{i}].role {role!r:.30} is not one of system, developer, user, assistant, tool",
                        "messages")
-        out.append({"role": "system" if role == "developer" else role, "content": _content(m, i)})
+        msg = {"role": "system" if role == "developer" else role, "content": _content(m, i)}
+        msg.update((k, m[k]) for k in _KEPT if m.get(k) is not None)
+        out.append(msg)
     return out
+
+
+@dataclass
+class Chat:
+    """A chat body's prompt: ids (or, without chat tokens, text) and the mode the answer is read in."""
+
+    prompt: str | list[int]
+    thinking: bool
+    tool_choice: str  # "auto", "none", "required" or the name of the function it forces
+
+
+def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
+    """The prompt of a chat body, exactly as POST /v1/chat/completions sends it (400s for bad input)."""
+    msgs = chat_messages(body)
+    thinking = thinking_of(body)
+    try:
+        functions = check_tools(body.get("tools"))
+        choice = check_tool_choice(body.get("tool_choice"), functions)
+        if tokenizer is not None and tokenizer.has_chat_tokens:
+            options = ChatOptions(thinking=thinking, reasoning_effort=body.get("reasoning_effort"),
+                                  tools=functions and body["tools"], tool_choice=body.get("tool_choice"))
+            return Chat(encode_messages(tokenizer, msgs, options), thinking, choice)
+    except EncodingError as e:
+        raise _bad(str(e), e.param) from None
+    if functions and choice != "none":  # no chat template: refused where they would change the prompt
+        raise _bad("this model has no chat template, so no tools", "tools")
+    if body.get("reasoning_effort") not in (None, "none"):
+        raise _bad("this model has no chat template, so no reasoning_effort", "reasoning_effort")
+    try:
+        return Chat(chat_prompt(tokenizer, msgs, thinking=thinking), thinking, choice)
+    except TokenizerError as e:
+        raise _bad(str(e), "messages") from None
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     """POST /v1/chat/completions: the conversation rendered to one prompt."""
-    params, stream, include_usage = _common(body)
-    msgs = chat_messages(body)
-    thinking = thinking_of(body)
+    params, stream, include_usage = _common(body, CHAT_FIELDS)
+    chat = chat_prompt_of(body, tokenizer)
+    if chat.tool_choice not in ("auto", "none"):
+        what = "required" if chat.tool_choice == "required" else f"naming the function {chat.tool_choice!r}"
+        raise _bad(f"tool_choice {what} needs constrained decoding, which this server does not do yet; "
+                   f'use "auto"', "tool_choice")
+    return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking)
+
+
+def parse_tokenize(body: dict[str, Any], tokenizer: Any) -> list[int]:
+    """POST /tokenize (vLLM's shapes): `messages` plus the chat fields -> the ids the chat
+    request would use; `prompt` (a string) -> the ids of a completion request for it
+    (`add_special_tokens` false: without the tokenizer's BOS)."""
+    if tokenizer is None:
+        raise _bad("this model has no tokenizer.json, so nothing to tokenize with")
+    has_messages, has_prompt = body.get("messages") is not None, body.get("prompt") is not None
+    if has_messages == has_prompt:
+        raise _bad("send either messages (a chat) or prompt (a string)", "messages")
+    special = body.get("add_special_tokens")
+    if special is not None and not isinstance(special, bool):
+        raise _bad("add_special_tokens must be true or false", "add_special_tokens")
     try:
-        prompt = chat_prompt(tokenizer, msgs, thinking=thinking)
+        if has_prompt:
+            if not isinstance(body["prompt"], str):
+                raise _bad("prompt must be a string", "prompt")
+            return tokenizer.encode_prompt(body["prompt"], mode="raw", add_bos=None if special in (None, True)
+                                           else False)
+        for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+            if body.get(name) not in (None, default):
+                raise _bad(f"{name}: only {str(default).lower()} (a chat prompt always opens the assistant's "
+                           "turn)", name)
+        if body.get("chat_template") is not None:
+            raise _bad("chat_template is not supported: DeepSeek V4's own encoding renders the messages",
+                       "chat_template")
+        prompt = chat_prompt_of(body, tokenizer).prompt
+        return prompt if isinstance(prompt, list) else tokenizer.encode_prompt(prompt, mode="raw")
     except TokenizerError as e:
-        raise _bad(str(e), "messages") from None
-    return Parsed([prompt], params, stream, include_usage, mode="raw", thinking=thinking)
+        raise _bad(str(e), "prompt" if has_prompt else "messages") from None
+
+
+def parse_detokenize(body: dict[str, Any], tokenizer: Any) -> str:
+    """POST /detokenize: `tokens` (ids) -> their text, special tokens written out."""
+    if tokenizer is None:
+        raise _bad("this model has no tokenizer.json, so nothing to detokenize with")
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(_is_int(t) and 0 <= t < tokenizer.vocab_size for t in ids):
+        raise _bad(f"tokens must be a list of token ids in 0..{tokenizer.vocab_size - 1}", "tokens")
+    return tokenizer.decode(ids)
