@@ -35,7 +35,6 @@ import contextlib
 import hmac
 import json
 import time
-import uuid
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
@@ -44,17 +43,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from dsv4.daemon import protocol as P
 from dsv4.http.bridge import Bridge, DaemonUnavailable
 from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
 from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from dsv4.http.stream import ReasoningSplitter
+from dsv4.http.replies import Replies
 from dsv4.http.submit import DEFAULT_MAX_PROMPTS, client_of, submit
 
 MAX_BODY_BYTES = 8 << 20
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_INTERNAL: 500}
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -127,14 +124,6 @@ class Api:
                 self.bridge.cancel(rid)
 
     @staticmethod
-    def _daemon_error(msg: dict[str, Any]) -> ApiError:
-        """An `error` reply, or a final that ended in error/abort, as an ApiError."""
-        if msg["type"] == "error":
-            return ApiError(_DAEMON_STATUS.get(str(msg.get("code")), 400), str(msg.get("message")))
-        reason = msg.get("finish_reason")
-        return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
-
-    @staticmethod
     async def _next(q: asyncio.Queue, gone: asyncio.Task | None) -> dict[str, Any]:
         """The next reply, however long it takes (the daemon ends every request it accepted,
         and `Bridge.close` ends the rest); `_ClientGone` once the `gone` watch saw the client leave."""
@@ -205,14 +194,14 @@ class Api:
         t0 = time.monotonic()
         q, rids = await self._submit(parsed, client, chat)
         index = {rid: i for i, rid in enumerate(rids)}
-        run = _Run(self, parsed, chat, index, t0)
+        run = Replies(parsed, chat, index, t0, model_name=self.model_name, metrics=self.metrics)
         gone = asyncio.create_task(_disconnected(request))  # the body is read: what comes next is a disconnect
         try:
             return await self._reply(q, rids, run, parsed, gone)
         finally:
             gone.cancel()
 
-    async def _reply(self, q: asyncio.Queue, rids: list[str], run: "_Run", parsed: Parsed,
+    async def _reply(self, q: asyncio.Queue, rids: list[str], run: Replies, parsed: Parsed,
                      gone: asyncio.Task) -> Response:
         """The whole answer, or (streaming) the stream once its first chunk is ready: an error
         before then is an HTTP error status."""
@@ -236,7 +225,7 @@ class Api:
         return StreamingResponse(self._sse(q, rids, run, chunks), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
-    async def _sse(self, q: asyncio.Queue, rids: list[str], run: "_Run", chunks: list[dict[str, Any]]
+    async def _sse(self, q: asyncio.Queue, rids: list[str], run: Replies, chunks: list[dict[str, Any]]
                    ) -> AsyncIterator[bytes]:
         """The stream: chunks, then usage (if asked) and `[DONE]`; or, after a failure, the
         error event and no `[DONE]` (the module docstring)."""
@@ -269,107 +258,6 @@ async def _disconnected(request: Request) -> None:
 
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-class _Run:
-    """The replies of one HTTP request folded into OpenAI objects (whole or as chunks)."""
-
-    def __init__(self, api: Api, parsed: Parsed, chat: bool, index: dict[str, int], t0: float) -> None:
-        self.api, self.parsed, self.chat, self.index, self.t0 = api, parsed, chat, index, t0
-        n = len(index)
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        self.created = int(time.time())
-        self.content, self.reasoning = [""] * n, [""] * n
-        self.splitters = [ReasoningSplitter(parsed.thinking) for _ in range(n)]
-        self.reasons: list[str | None] = [None] * n
-        self.prompt_tokens, self.completion_tokens = [0] * n, [0] * n
-        self.started = [False] * n
-        self.last_time: list[float | None] = [None] * n
-        self.done: set[str] = set()
-        self.finished = 0
-        self.error: ApiError | None = None
-
-    def take(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
-        """Fold in one reply; returns the stream chunks it makes."""
-        rid = msg.get("id")
-        i = self.index.get(rid) if isinstance(rid, str) else None
-        if i is None or rid in self.done:
-            if msg["type"] == "error" and rid is None:
-                self.error = Api._daemon_error(msg)
-            return []
-        now = time.monotonic()
-        m = self.api.metrics
-        if msg["type"] == "error" or (msg["type"] == "final" and msg.get("finish_reason") in ("error", "abort")):
-            self.error = Api._daemon_error(msg)
-            self.done.add(rid)
-            self.finished += 1
-            return []
-        chunks = []
-        if msg["type"] == "delta":
-            if self.last_time[i] is None:
-                m.observe_first_token(now - self.t0)
-            else:
-                m.observe_gap(now - self.last_time[i])
-            self.last_time[i] = now
-            m.observe_tokens(len(msg.get("token_ids") or ()))
-            reasoning, content = self.splitters[i].feed(msg.get("text") or "")
-            chunks += self._delta(i, reasoning, content, None)
-        else:  # final
-            reasoning, content = self.splitters[i].flush()
-            usage = msg.get("usage") or {}
-            self.prompt_tokens[i] = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens[i] = int(usage.get("completion_tokens") or 0)
-            self.reasons[i] = msg.get("finish_reason")
-            m.observe_final(msg, now - self.t0)
-            self.done.add(rid)
-            self.finished += 1
-            chunks += self._delta(i, reasoning, content, self.reasons[i], force=True)
-        return chunks
-
-    def _delta(self, i: int, reasoning: str, content: str, reason: str | None, force: bool = False
-               ) -> list[dict[str, Any]]:
-        self.reasoning[i] += reasoning
-        self.content[i] += content
-        if not (reasoning or content or force):
-            return []
-        if self.chat:
-            delta: dict[str, Any] = {}
-            if not self.started[i]:
-                delta["role"] = "assistant"
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if content or not reasoning:
-                delta["content"] = content
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {"index": i, "text": content, "logprobs": None, "finish_reason": reason}
-        self.started[i] = True
-        return [self.chunk([choice])]
-
-    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.api.model_name, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return obj
-
-    def usage(self) -> dict[str, int]:
-        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def whole(self) -> dict[str, Any]:
-        choices = []
-        for i in range(len(self.index)):
-            if self.chat:
-                message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
-                if self.parsed.thinking:
-                    message["reasoning_content"] = self.reasoning[i]
-                choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": self.reasons[i]})
-            else:
-                choices.append({"index": i, "text": self.content[i], "logprobs": None,
-                                "finish_reason": self.reasons[i]})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.api.model_name, "choices": choices, "usage": self.usage()}
 
 
 def build_app(api: Api) -> Starlette:

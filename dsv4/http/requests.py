@@ -106,6 +106,7 @@ class Parsed:
     mode: str = "auto"
     thinking: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    tools: list[dict[str, Any]] | None = None  # rendered in the prompt: the answer's DSML is parsed into tool_calls
 
 
 def _bad(msg: str, param: str | None = None) -> ApiError:
@@ -305,7 +306,8 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
         what = "required" if chat.tool_choice == "required" else f"naming the function {chat.tool_choice!r}"
         raise _bad(f"tool_choice {what} needs constrained decoding, which this server does not do yet; "
                    f'use "auto"', "tool_choice")
-    return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking)
+    tools = body.get("tools") if chat.tool_choice == "auto" and body.get("tools") else None
+    return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools)
 
 
 def parse_tokenize(body: dict[str, Any], tokenizer: Any) -> list[int]:

@@ -1,0 +1,159 @@
+"""The daemon's replies to one HTTP request folded into OpenAI objects, whole or as stream chunks.
+
+Per choice, the text goes through two splitters in turn: `ReasoningSplitter` (thinking
+mode: before `</think>` is `reasoning_content`) and, when the request renders tools, the
+DSML tool-call parser (`dsv4.agents.dsml`): what the model writes as a
+`<｜DSML｜tool_calls>` block becomes `tool_calls` (streamed as `delta.tool_calls`: the
+name first, then the arguments in pieces) and never reaches `content`. A choice with
+complete calls finishes with `tool_calls`; one whose text ended inside a call with `length`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Callable
+
+from dsv4.agents.dsml import ContentDelta, DSMLStreamParser, Event, ToolCallArgs, ToolCallStart
+from dsv4.daemon import protocol as P
+from dsv4.http.requests import ApiError, Parsed
+from dsv4.http.stream import ReasoningSplitter
+
+_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_INTERNAL: 500}
+
+
+def daemon_error(msg: dict[str, Any]) -> ApiError:
+    """An `error` reply, or a final that ended in error/abort, as an ApiError."""
+    if msg["type"] == "error":
+        return ApiError(_DAEMON_STATUS.get(str(msg.get("code")), 400), str(msg.get("message")))
+    reason = msg.get("finish_reason")
+    return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
+
+
+def _tool_deltas(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
+    """Parser events -> (content text, `delta.tool_calls` entries)."""
+    content, calls = "", []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            content += e.text
+        elif isinstance(e, ToolCallStart):
+            calls.append({"index": e.index, "id": e.id, "type": "function",
+                          "function": {"name": e.name, "arguments": ""}})
+        elif isinstance(e, ToolCallArgs):
+            calls.append({"index": e.index, "function": {"arguments": e.text}})
+    return content, calls
+
+
+class Replies:
+    """The replies of one HTTP request (`index`: request id -> choice)."""
+
+    def __init__(self, parsed: Parsed, chat: bool, index: dict[str, int], t0: float, *, model_name: str,
+                 metrics: Any, on_error: Callable[[dict[str, Any]], ApiError] = daemon_error) -> None:
+        self.parsed, self.chat, self.index, self.t0 = parsed, chat, index, t0
+        self.model_name, self.metrics, self.on_error = model_name, metrics, on_error
+        n = len(index)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        self.created = int(time.time())
+        self.content, self.reasoning = [""] * n, [""] * n
+        self.splitters = [ReasoningSplitter(parsed.thinking) for _ in range(n)]
+        self.tools = [DSMLStreamParser(parsed.tools) if chat and parsed.tools else None for _ in range(n)]
+        self.reasons: list[str | None] = [None] * n
+        self.prompt_tokens, self.completion_tokens = [0] * n, [0] * n
+        self.started = [False] * n
+        self.last_time: list[float | None] = [None] * n
+        self.done: set[str] = set()
+        self.finished = 0
+        self.error: ApiError | None = None
+
+    def take(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
+        """Fold in one reply; returns the stream chunks it makes."""
+        rid = msg.get("id")
+        i = self.index.get(rid) if isinstance(rid, str) else None
+        if i is None or rid in self.done:
+            if msg["type"] == "error" and rid is None:
+                self.error = self.on_error(msg)
+            return []
+        now = time.monotonic()
+        m = self.metrics
+        if msg["type"] == "error" or (msg["type"] == "final" and msg.get("finish_reason") in ("error", "abort")):
+            self.error = self.on_error(msg)
+            self.done.add(rid)
+            self.finished += 1
+            return []
+        if msg["type"] == "delta":
+            if self.last_time[i] is None:
+                m.observe_first_token(now - self.t0)
+            else:
+                m.observe_gap(now - self.last_time[i])
+            self.last_time[i] = now
+            m.observe_tokens(len(msg.get("token_ids") or ()))
+            reasoning, content = self.splitters[i].feed(msg.get("text") or "")
+            return self._delta(i, reasoning, content, None, final=False)
+        reasoning, content = self.splitters[i].flush()  # final
+        usage = msg.get("usage") or {}
+        self.prompt_tokens[i] = int(usage.get("prompt_tokens") or 0)
+        self.completion_tokens[i] = int(usage.get("completion_tokens") or 0)
+        self.reasons[i] = msg.get("finish_reason")
+        m.observe_final(msg, now - self.t0)
+        self.done.add(rid)
+        self.finished += 1
+        return self._delta(i, reasoning, content, self.reasons[i], final=True)
+
+    def _delta(self, i: int, reasoning: str, content: str, reason: str | None, final: bool
+               ) -> list[dict[str, Any]]:
+        calls: list[dict[str, Any]] = []
+        parser = self.tools[i]
+        if parser is not None:
+            events = parser.feed(content) + (parser.finish() if final else [])
+            content, calls = _tool_deltas(events)
+            if final and parser.finish_reason is not None:  # "length" inside a call, else "tool_calls"
+                reason = self.reasons[i] = parser.finish_reason
+        self.reasoning[i] += reasoning
+        self.content[i] += content
+        if not (reasoning or content or calls or final):
+            return []
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if not self.started[i]:
+                delta["role"] = "assistant"
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if content or not (reasoning or calls):
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = calls
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": i, "text": content, "logprobs": None, "finish_reason": reason}
+        self.started[i] = True
+        return [self.chunk([choice])]
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model_name, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return obj
+
+    def usage(self) -> dict[str, int]:
+        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def whole(self) -> dict[str, Any]:
+        choices = []
+        for i in range(len(self.index)):
+            if not self.chat:
+                choices.append({"index": i, "text": self.content[i], "logprobs": None,
+                                "finish_reason": self.reasons[i]})
+                continue
+            message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
+            parser = self.tools[i]
+            calls = [c.to_openai() for c in parser.calls] if parser is not None else []  # as streamed
+            if calls:
+                message["content"] = self.content[i] or None
+                message["tool_calls"] = calls
+            if self.parsed.thinking:
+                message["reasoning_content"] = self.reasoning[i]
+            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": self.reasons[i]})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model_name, "choices": choices, "usage": self.usage()}
