@@ -106,6 +106,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
                               f"--dtype{hint}") from None
     check_tid2eid(model.state_dict(), cfg.n_routed_experts)
     model.make_rope_tables(dev)
+    if quantization == "w8a8" and model.has_mtp:
+        model.quantize_draft_head()
     _release_free_memory()
     return model.eval()
 

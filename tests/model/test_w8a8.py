@@ -198,3 +198,44 @@ def test_unknown_quantization_names_the_flag(tmp_path):
         load_model(tmp_path, quantization="int4")
     with pytest.raises(CheckpointError, match="convert writes w8a8 checkpoints only"):
         convert_checkpoint(tmp_path, tmp_path / "out", quantization="none")
+
+
+def test_w8a8_drafts_through_an_int8_head_and_verifies_through_the_exact_one(tmp_path):
+    """Under w8a8 the MTP's logits come from an int8 copy of the head (a draft reads half
+    the head's bytes); the main model's logits still come from the float head, bit for bit,
+    and the draft head is each row of the head quantised (`kernels.quantize_rows`)."""
+    from dsv4.model.state import Batch
+
+    write_tiny_checkpoint(tmp_path, quantize=True, with_tokenizer=False)
+    m = load_model(tmp_path, quantization="w8a8")
+    assert m.draft_head is not None and m.draft_head["weight"].dtype == torch.int8
+    q, s = kernels.quantize_rows(m.head.weight)
+    assert torch.equal(m.draft_head["weight"], q) and torch.equal(m.draft_head["scale"], s)
+    assert load_model(tmp_path).draft_head is None  # unquantised: the drafts read the head itself
+    ids = torch.randint(2, m.cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        h, main = m.forward_batch(Batch.whole(ids[None]), None)
+        _, draft = m.mtp_forward(Batch.whole(ids[None]), h, None)
+        head, m.draft_head = m.draft_head, None
+        h2, main_exact = m.forward_batch(Batch.whole(ids[None]), None)
+        _, draft_exact = m.mtp_forward(Batch.whole(ids[None]), h2, None)
+        m.draft_head = head
+    assert torch.equal(main, main_exact)  # verification: the float head
+    assert not torch.equal(draft, draft_exact)  # drafting: the int8 one ...
+    assert (draft.argmax(-1) == draft_exact.argmax(-1)).float().mean() >= 0.8  # ... close to it
+    rel = (draft - draft_exact).abs().max() / draft_exact.abs().max()
+    assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5])
+def test_draft_head_kernel_is_the_int8_head(rows):
+    """`kernels.draft_linear`: bf16 drafts of few rows through int8 weight-only mm, others
+    W8A8; both are the int8 head (to the rounding of bf16 activations / int8 ones)."""
+    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    q, s = kernels.quantize_rows(w)
+    head = {"weight": q, "scale": s, "scale_bf16": s.to(torch.bfloat16)}
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    exact = x.float() @ (q.float() * s[:, None]).t()  # the int8 head on the bf16 activations
+    got = kernels.draft_linear(x, head)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
+    assert (got.float() - exact).abs().max() <= 0.02 * exact.abs().max()
