@@ -10,7 +10,8 @@ Client -> daemon                              daemon -> client
     ping                                          pong     {pid, version, model, state, max_message_bytes,
                                                             message_limit_reason}
     status                                        status   {status: map}
-    generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces]}  (streamed)
+    generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces][, logprobs]
+                                                            [, prompt_logprobs]}  (streamed)
               params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec,
               client}                                       compiled, compiled_buckets}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
@@ -29,6 +30,12 @@ A daemon started with an API key (`serve --api-key`) takes only two-frame messag
 first frame is KEY_PREFIX + key, compared in constant time before anything else is
 read; anything else gets an `unauthorized` error and nothing more. A daemon without a
 key ignores such a key frame.
+`logprobs` (when `params.logprobs` asks) holds one map per new token, {id, token, bytes,
+logprob, top: [{id, token, bytes, logprob}, ...]} (`token`: its text, or `bytes:\\xNN..` for
+part of a character; `bytes`: its UTF-8 bytes as integers; `top`: the most likely tokens,
+most likely first; a logprob of -inf travels as nil); `prompt_logprobs` (when
+`params.prompt_logprobs` asks: echo) comes once, in the first delta, one such map per
+prompt token, the first with logprob nil (`dsv4.engine.logprobs`).
 `sources` names, per new token, how it was produced: "draft" (accepted MTP draft) or
 "target". A final's `compiled` says whether decode steps run compiled (`--compile`) and
 `compiled_buckets` which token counts do, {main: [1, 2, 4], mtp: [1, 2]} (empty lists
@@ -263,10 +270,15 @@ def ok(rid: str, **info: Any) -> dict[str, Any]:
 
 
 def delta(rid: str, text: str, token_ids: list[int], sources: list[str],
-          pieces: list[str] | None = None) -> dict[str, Any]:
+          pieces: list[str] | None = None, logprobs: list[dict[str, Any]] | None = None,
+          prompt_logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     msg = _reply("delta", rid, text=text, token_ids=list(token_ids), sources=list(sources))
     if pieces is not None:
         msg["pieces"] = pieces
+    if logprobs is not None:
+        msg["logprobs"] = logprobs
+    if prompt_logprobs is not None:
+        msg["prompt_logprobs"] = prompt_logprobs
     return msg
 
 
@@ -280,12 +292,13 @@ def final(rid: str, finish_reason: str | None, error: str | None = None,
 
 def output_messages(rid: str, out: Any, detok: Any = None) -> list[dict[str, Any]]:
     """One engine `RequestOutput` as what its client gets: a delta when it carries text or
-    tokens (with display pieces when a detokenizer `detok` is given), then a final once
-    the request finished."""
+    tokens or prompt logprobs (with display pieces when a detokenizer `detok` is given), then
+    a final once the request finished."""
     msgs = []
-    if out.text or out.token_ids:
+    logprobs, prompt_logprobs = getattr(out, "logprobs", None), getattr(out, "prompt_logprobs", None)
+    if out.text or out.token_ids or prompt_logprobs is not None:
         pieces = [detok.push(t) for t in out.token_ids] if detok is not None else None
-        msgs.append(delta(rid, out.text, out.token_ids, out.sources, pieces))
+        msgs.append(delta(rid, out.text, out.token_ids, out.sources, pieces, logprobs, prompt_logprobs))
     if out.finished:
         msgs.append(final(rid, out.finish_reason, out.error, out.metrics))
     return msgs

@@ -2,11 +2,11 @@
 
 `propose` turns one MTP dispatch's logits into one draft per request:
 
-* greedy requests take the argmax, after the request's penalties when it has any (the
+* greedy requests take the argmax, after the request's logit_bias and penalties when it has any (the
   target's greedy choice is the argmax of its penalised logits: a draft that ignored a
   repetition penalty of 1.1 was accepted 0.48 of the time on held-out text, 0.67 without it);
 * sampled requests draw from the MTP's own distribution q after the request's full
-  processing: penalties over the prompt, the output so far and the drafts before this one
+  processing: logit_bias, penalties over the prompt, the output so far and the drafts before this one
   (the history the target's row for the same position sees), then temperature, top-k,
   top-p and min-p (`sampling.logits_to_probs`). Unseeded requests draw from the global RNG
   (or `generator`) and keep q, which `sampling.verify_sampled` needs for rejection
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .sampling import apply_penalties, keyed_sample, logits_to_probs
+from .sampling import adjust_logits, keyed_sample, logits_to_probs
 
 if TYPE_CHECKING:
     from .request import Request
@@ -55,12 +55,10 @@ def propose(
                          f"{len(positions)} positions")
     tokens = logits.argmax(dim=-1).tolist() if n else []  # greedy rows without penalties
     qs: list[torch.Tensor | None] = [None] * n
-    pen = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.penalized]
-    if pen:  # greedy with penalties: the argmax the target's processing would take
-        ps = [reqs[i].params for i in pen]
-        x = apply_penalties(logits[pen].float(), [reqs[i].prompt_ids for i in pen], [outputs[i] for i in pen],
-                            [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                            [p.frequency_penalty for p in ps])
+    pen = [i for i, r in enumerate(reqs) if r.params.greedy and r.params.adjusted]
+    if pen:  # greedy with logit_bias or penalties: the argmax the target's processing would take
+        x = adjust_logits(logits[pen].float(), [reqs[i].params for i in pen], [reqs[i].prompt_ids for i in pen],
+                          [outputs[i] for i in pen])
         for i, tok in zip(pen, finite_argmax(x).tolist()):
             tokens[i] = int(tok)
     sampled = [i for i, r in enumerate(reqs) if not r.params.greedy]
@@ -70,10 +68,7 @@ def propose(
     ok = (~torch.isnan(x).any(dim=-1) & ~(x == float("inf")).any(dim=-1) & torch.isfinite(x).any(dim=-1)).tolist()
     fallback = finite_argmax(x).tolist()
     ps = [reqs[i].params for i in sampled]
-    if any(p.penalized for p in ps):
-        x = apply_penalties(x, [reqs[i].prompt_ids for i in sampled], [outputs[i] for i in sampled],
-                            [p.repetition_penalty for p in ps], [p.presence_penalty for p in ps],
-                            [p.frequency_penalty for p in ps])
+    x = adjust_logits(x, ps, [reqs[i].prompt_ids for i in sampled], [outputs[i] for i in sampled])
     t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=x.device)  # noqa: E731
     q = logits_to_probs(x, t([p.temperature for p in ps], torch.float32), t([p.top_k for p in ps], torch.long),
                         t([p.top_p for p in ps], torch.float32), t([p.min_p for p in ps], torch.float32))

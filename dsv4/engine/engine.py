@@ -23,9 +23,10 @@ import torch
 from ..model.loader import load_model
 from .config import EngineConfig
 from .metrics import EngineMetrics, RequestMetrics
+from .logprobs import TokenTexts
 from .ranks import RankError, Ranks, gather_weight_bytes
 from .request import Request, RequestError
-from .runner import Runner
+from .runner import Runner, StepResult
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec_policy import SpecPolicy
@@ -47,6 +48,10 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: dict[str, Any] | None = None
+    # per token, when the request asks (`SamplingParams.logprobs`): {id, token, bytes, logprob, top: [...]}
+    logprobs: list[dict[str, Any]] | None = None
+    # the prompt's, in the request's first output (`prompt_logprobs`; the first token's logprob is None)
+    prompt_logprobs: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -140,6 +145,7 @@ class Engine:
         self.started = time.time()
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
+        self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -271,7 +277,7 @@ class Engine:
             res = results.get(req.slot) if start + n == req.num_prompt_tokens else None
             toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
             if res is not None:
-                outs.append(self._emit(req, toks, res.sources, now))
+                outs.append(self._emit(req, toks, res.sources, now, res))
         for req, n in plan.decodes:
             res = results[req.slot]
             if self.policy is not None and res.num_drafted:
@@ -279,7 +285,7 @@ class Engine:
             toks = self.scheduler.on_decode_done(req, res.tokens)
             if res.num_drafted:  # drafts cut at EOS/limits do not count
                 self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
-            outs.append(self._emit(req, toks, res.sources, now))
+            outs.append(self._emit(req, toks, res.sources, now, res))
         # status counts tokens as they stream (not when their requests end)
         self.metrics.on_output(sum(n for _, _, n in plan.prefills), sum(len(o.token_ids) for o in outs if o), now)
         if self.policy is not None:
@@ -288,7 +294,8 @@ class Engine:
                 self.policy.observe_overhead(time.perf_counter() - t_step - timed["verify"] - timed["draft"])
         return [o for o in outs if o is not None]
 
-    def _emit(self, req: Request, toks: list[int], sources: list[str], now: float) -> RequestOutput | None:
+    def _emit(self, req: Request, toks: list[int], sources: list[str], now: float,
+              res: StepResult | None = None) -> RequestOutput | None:
         track = self._tracks.get(req.request_id)
         if track is None:  # aborted meanwhile
             return None
@@ -309,6 +316,10 @@ class Engine:
                     text.append(track.stop.flush())
         track.metrics.on_tokens(len(toks), now)
         out = RequestOutput(req.request_id, "".join(text), list(toks), list(sources[: len(toks)]))
+        if res is not None and res.logprobs is not None:  # cut where the tokens were cut
+            out.logprobs = self.token_texts.entries(res.logprobs[: len(toks)])
+        if res is not None and res.prompt_logprobs is not None:
+            out.prompt_logprobs = self.token_texts.entries(res.prompt_logprobs)
         if req.is_finished:
             track.metrics.on_finish(now)
             self.metrics.add(track.metrics, streamed=True)

@@ -27,6 +27,8 @@ class Completion:
     sources: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     metrics: dict[str, Any] | None = None
+    logprobs: list[dict[str, Any]] | None = None  # per token when asked (`RequestOutput.logprobs`)
+    prompt_logprobs: list[dict[str, Any]] | None = None  # when asked; the first has logprob None
 
 
 class LLM:
@@ -93,5 +95,9 @@ def _merge(c: Completion, out: RequestOutput) -> None:
     c.text += out.text
     c.token_ids += out.token_ids
     c.sources += out.sources
+    if out.logprobs is not None:
+        c.logprobs = (c.logprobs or []) + out.logprobs
+    if out.prompt_logprobs is not None:
+        c.prompt_logprobs = out.prompt_logprobs
     if out.finished:
         c.finish_reason, c.metrics = out.finish_reason, out.metrics

@@ -58,11 +58,12 @@ def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[R
                  drafts: dict[int, list[int]], k_draft: int,
                  sync_drafts: bool = False) -> tuple[list, list, int, bool]:
     """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
-    K) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, the
+    K, whether the chunk's rows all get logits: prompt logprobs) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, the
     drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K) and whether
     rank 0 sends each MTP depth's drafts (`Runner.sync_drafts`: sampled drafts are rank 0's
     draws, and the deeper dispatches of every rank must take the same tokens)."""
-    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec) for r, s, n in prefills],
+    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec, r.params.prompt_logprobs is not None)
+             for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
              for r, n in decodes], k_draft, sync_drafts)
 
@@ -78,10 +79,11 @@ def follow(runner: Any) -> None:
         # auto K: the MTP depth of this step, as rank 0 chose it; sampled drafts: rank 0 sends each depth's
         pre, dec, runner.k_draft, runner.sync_drafts = msg
         prefills, decodes = [], []
-        for slot, start, n, prompt, k in pre:
+        for slot, start, n, prompt, k, prompt_lp in pre:
             if prompt is not None:
                 shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
             shadows[slot].num_spec = k
+            shadows[slot].params.prompt_logprobs = 0 if prompt_lp else None  # the same head rows as rank 0
             prefills.append((shadows[slot], start, n))
         for slot, n, computed, last, k, drafts in dec:
             req = shadows[slot]

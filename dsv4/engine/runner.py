@@ -36,7 +36,6 @@ the current drafts and the MTP backlog. The scheduler owns lengths and token lis
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -48,21 +47,14 @@ from ..model.state import Batch
 from .drafting import propose
 from .plan import broadcast, plan_message
 from .request import Request
-from .sampling import apply_penalties, keyed_sample, logits_to_probs, sample, verify_greedy, verify_sampled
+from .logprobs import TokenLogprob
 from .spec_policy import SpecPolicy
+from .verify import StepResult, prompt_logprobs, sample_verify
+
+__all__ = ["Runner", "StepResult"]
 
 if TYPE_CHECKING:
     from .compiled import CompiledSteps
-
-
-@dataclass
-class StepResult:
-    """What one step produced for one request, before the scheduler cuts it."""
-
-    tokens: list[int]
-    num_drafted: int = 0
-    num_accepted: int = 0
-    sources: list[str] = field(default_factory=list)
 
 
 class Runner:
@@ -85,6 +77,7 @@ class Runner:
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
         self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
         self.draft_q: dict[int, torch.Tensor] = {}  # slot -> their distributions [k, V] (unseeded sampled only)
+        self.prompt_lp: dict[int, list] = {}  # slot -> prompt logprobs of its earlier chunks (rank 0)
         self.sync_drafts = False  # this step: rank 0 sends each depth's drafts (tensor parallel, sampled rows)
         # Tests may replace the drafter: (request, output tokens so far including this
         # step's, the MTP's drafts) -> drafts
@@ -97,6 +90,7 @@ class Runner:
         self.drafts.pop(slot, None)
         self.draft_q.pop(slot, None)
         self.backlog.pop(slot, None)
+        self.prompt_lp.pop(slot, None)
 
     @torch.inference_mode()
     def calibrate(self, repeats: int = 2) -> None:
@@ -134,16 +128,23 @@ class Runner:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
         last have none). Under tensor parallelism rank 0 first sends the plan (`plan`)."""
         if parallel.world_size() > 1 and parallel.rank() == 0:
-            self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy for r, *_ in prefills + decodes)
+            # drafts other than the plain argmax (sampled, biased, penalised): rank 0's are sent
+            self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy or r.params.adjusted
+                                                         for r, *_ in prefills + decodes)
             broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
+        pidx, prompt_rows = [], []  # prompt logprobs: their packed rows (after idx's); (request, start, rows)
         off = 0
         for req, start, n in prefills:
             if start == 0:
                 self.reset_slot(req)
             rows.append((req.slot, start, req.prompt_ids[start:start + n]))
             want.append(("prefill", req, start, off, n))
+            m = min(n, req.num_prompt_tokens - 1 - start)  # rows followed by a prompt token
+            if req.params.prompt_logprobs is not None and m > 0:
+                prompt_rows.append((req, start, m))
+                pidx.extend(range(off, off + m))
             if start + n == req.num_prompt_tokens:  # the last chunk samples the first token
                 samples.append((req, len(idx), 1, None))
                 idx.append(off + n - 1)
@@ -163,12 +164,13 @@ class Runner:
             return {}
         t = time.perf_counter()
         batch = Batch.build(rows, self.device)
-        logit_idx = torch.tensor(idx, dtype=torch.long, device=self.device)
+        logit_idx = torch.tensor(idx + pidx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
             hidden, logits = self._forward(batch, logit_idx, decode=not prefills)
         with record_function("dsv4.sample_verify"):
             # rank 0 samples; under tensor parallelism the other ranks take its choices
-            results = broadcast(self._sample_verify(samples, logits) if parallel.rank() == 0 else None)
+            results = broadcast(self._choose(samples, logits, prompt_rows, len(idx))
+                                if parallel.rank() == 0 else None)
             for req, _, _, drafts in samples:  # rejected drafts leave the state
                 if drafts is not None:
                     self.state.rollback(req.slot, req.num_computed_tokens + 1 + results[req.slot].num_accepted)
@@ -179,6 +181,19 @@ class Runner:
             self.timed = {"verify": t_draft - t, "draft": time.perf_counter() - t_draft}
             if not prefills:  # a pure decode step: its cost by token count
                 self.policy.verify.observe(off, t_draft - t)
+        return results
+
+    def _choose(self, samples, logits: torch.Tensor, prompt_rows, n_sample: int) -> dict[int, StepResult]:
+        """`verify.sample_verify` over the first `n_sample` rows of `logits`; the rows after them
+        are prompt rows (`prompt_rows`), whose logprobs gather per slot until the last chunk's
+        result takes them."""
+        results = sample_verify(samples, logits[:n_sample], self.draft_q)
+        for (req, _, _), got in zip(prompt_rows, prompt_logprobs(prompt_rows, logits[n_sample:])):
+            self.prompt_lp.setdefault(req.slot, [TokenLogprob(req.prompt_ids[0], None, [])]).extend(got)
+        for req, _, _, drafts in samples:  # the first prompt token has no logprob
+            if drafts is None and req.params.prompt_logprobs is not None:
+                results[req.slot].prompt_logprobs = (self.prompt_lp.pop(req.slot, None)
+                                                     or [TokenLogprob(req.prompt_ids[0], None, [])])
         return results
 
     def _forward(self, batch: Batch, logit_idx: torch.Tensor | None, decode: bool):
@@ -197,56 +212,6 @@ class Runner:
                 return out
         return self.model.mtp_forward(batch, hid, self.state, head_idx)
 
-    def _sample_verify(self, samples, logits: torch.Tensor) -> dict[int, StepResult]:
-        """First tokens of finished prefills (drafts None); accepted drafts + one target
-        token per decode row. Greedy and seeded rows accept the drafts equal to the target's
-        own choice (its argmax, or its keyed draw: `keyed_sample`), so their output does not
-        depend on K; unseeded sampled rows use rejection sampling (`verify_sampled`)."""
-        results: dict[int, StepResult] = {}
-        probs = self._probs(logits, samples)
-        top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
-        for req, lo, n, drafts in samples:
-            p, seed = probs[lo:lo + n], req.params.seed
-            # row j predicts the token at sequence position `first + j`
-            first = req.num_prompt_tokens if drafts is None else req.num_computed_tokens + 1
-            if req.params.greedy:
-                target = top[lo:lo + n]
-            elif seed is not None:  # keyed draws: the same tokens whatever K, batch or chunking
-                target = keyed_sample(p, seed, range(first, first + n))
-            elif drafts is None:
-                target = sample(p).tolist()
-            else:
-                q = self.draft_q.get(req.slot)
-                q = q[:len(drafts)] if q is not None and len(q) >= len(drafts) else None
-                acc, toks = verify_sampled(p, drafts, q, None)
-                results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
-                continue
-            if drafts is None:
-                results[req.slot] = StepResult([target[0]], sources=["target"])
-                continue
-            acc, toks = verify_greedy(target, drafts)
-            results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
-        return results
-
-    def _probs(self, logits: torch.Tensor, samples) -> torch.Tensor:
-        """Rows of `logits` [R, V] -> probabilities (penalised logits when every row is greedy)."""
-        reqs = [r for r, _, n, _ in samples for _ in range(n)]
-        if not reqs:
-            return logits
-        if any(r.params.penalized for r in reqs):
-            # row j of a decode comes after drafts 1..j: they count as output for its penalties
-            outs = [r.output_ids + (drafts or [])[:j] for r, _, n, drafts in samples for j in range(n)]
-            ps = [r.params for r in reqs]
-            logits = apply_penalties(logits, [r.prompt_ids for r in reqs], outs, [p.repetition_penalty for p in ps],
-                                     [p.presence_penalty for p in ps], [p.frequency_penalty for p in ps])
-        if all(r.params.greedy for r in reqs):
-            return logits  # argmax is all greedy needs
-        t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=logits.device)  # noqa: E731
-        ps = [r.params for r in reqs]
-        return logits_to_probs(logits, t([p.temperature for p in ps], torch.float32),
-                               t([p.top_k for p in ps], torch.long), t([p.top_p for p in ps], torch.float32),
-                               t([p.min_p for p in ps], torch.float32))
-
     # ------------------------------------------------------------------ MTP
     def _depth(self, req: Request) -> int:
         """Drafts `req` makes this step."""
@@ -259,7 +224,7 @@ class Runner:
         step's tokens, with the drafts before it counted as output (`drafting.propose`)."""
         t = time.perf_counter()
         z, logits = self._mtp_forward(batch, hid, head_idx)
-        outs = [[] if r.params.greedy else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
+        outs = [[] if r.params.greedy and not r.params.penalized else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
                 for r in heads]  # greedy drafts read neither history nor position
         pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]
         top, qs = propose(logits, heads, outs, pos)

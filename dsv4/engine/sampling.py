@@ -1,9 +1,10 @@
 """Sampling parameters, logits -> probabilities, seeded sampling and speculative verification.
 
-* `SamplingParams`: what a request asks for; `validate()` checks values and types (they
-  arrive as msgpack over a socket) and raises `RequestError` with a one-line reason.
+* `SamplingParams` (`params.py`, re-exported): what a request asks for, validated.
+* `adjust_logits`: `logit_bias`, then the penalties (`apply_penalties`), as vLLM orders them.
 * `logits_to_probs`: temperature, top-k, top-p and min-p for a batch of rows at once.
-  Rows with temperature 0 become one-hot at the argmax.
+  Rows with temperature 0 become one-hot at the argmax. `processed_logprobs`: the log of
+  that distribution (greedy rows: the log-softmax of their adjusted logits).
 * `keyed_sample`: a seeded request's token at sequence position n is drawn with noise keyed
   by (seed, n) alone (counter-based, like JAX's or Philox's keys), so its output is a function
   of its prompt, parameters and seed: not of the batch, the chunking, K (speculation verifies
@@ -21,109 +22,24 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
-from dsv4.engine.errors import RequestError
+from dsv4.engine.params import (  # noqa: F401  (re-exported: the parameters and their limits)
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_LEN,
+    MAX_STOP_STRINGS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_LEN = 256
-_U64 = 2**64
-MIN_TEMPERATURE = 1e-5  # below this logits / T overflows float32; use 0 for greedy
-MAX_REPETITION_PENALTY = 100.0
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling options. Defaults: greedy, 64 tokens."""
-
-    max_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    speculative: bool = True  # False: never draft for this request
-    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens of the prompt and output
-    presence_penalty: float = 0.0  # 0 = off; subtracted from tokens already in the output
-    frequency_penalty: float = 0.0  # 0 = off; subtracted once per earlier occurrence in the output
-
-    @classmethod
-    def from_dict(cls, d: Any) -> "SamplingParams":
-        """Build from a decoded message; unknown keys and bad values raise `RequestError`."""
-        if not isinstance(d, dict):
-            raise RequestError(f"sampling parameters must be a map, got {type(d).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
-        if unknown:
-            raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        p = cls(**d)
-        p.validate()
-        return p
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    @property
-    def penalized(self) -> bool:
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise `RequestError` naming the first bad parameter."""
-        _int("max_tokens", self.max_tokens, 1)
-        _num("temperature", self.temperature, 0.0, None)
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise RequestError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}")
-        _int("top_k", self.top_k, 0)
-        _num("top_p", self.top_p, 0.0, 1.0, open_low=True)
-        _num("min_p", self.min_p, 0.0, 1.0)
-        if self.seed is not None:
-            _int("seed", self.seed, 0)
-            if self.seed >= _U64:
-                raise RequestError(f"seed must be below 2**64, got {self.seed}")
-        if not isinstance(self.stop, (list, tuple)):
-            raise RequestError(f"stop must be a list of strings, got {type(self.stop).__name__}")
-        if len(self.stop) > MAX_STOP_STRINGS:
-            raise RequestError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
-        for s in self.stop:
-            if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
-                raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LEN} "
-                                   f"characters, got {s!r:.60}")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise RequestError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
-        for t in self.stop_token_ids:
-            _int("stop_token_ids entry", t, 0)
-            if vocab_size is not None and t >= vocab_size:
-                raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
-        _num("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, open_low=True)
-        _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        for name in ("ignore_eos", "speculative"):
-            if not isinstance(getattr(self, name), bool):
-                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
-
-
-def _int(name: str, v: Any, minimum: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise RequestError(f"{name} must be an integer, got {v!r:.60}")
-    if v < minimum:
-        raise RequestError(f"{name} must be >= {minimum}, got {v}")
-
-
-def _num(name: str, v: Any, lo: float, hi: float | None, open_low: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"{name} must be a finite number, got {v!r:.60}")
-    if v < lo or (open_low and v == lo) or (hi is not None and v > hi):
-        rng = f"{'(' if open_low else '['}{lo}, {hi if hi is not None else 'inf'}{']' if hi is not None else ')'}"
-        raise RequestError(f"{name} must be in {rng}, got {v}")
-
+__all__ = ["MAX_BIAS", "MAX_LOGIT_BIAS", "MAX_LOGPROBS", "MAX_REPETITION_PENALTY", "MAX_STOP_STRING_LEN",
+           "MAX_STOP_STRINGS", "MIN_TEMPERATURE", "SamplingParams", "adjust_logits", "apply_penalties", "draw_key",
+           "keyed_sample", "logits_to_probs", "processed_logprobs", "sample", "verify_greedy", "verify_sampled"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -204,20 +120,46 @@ def apply_penalties(
     return x
 
 
-# ------------------------------------------------------------------ logits -> probs
-def logits_to_probs(
+def adjust_logits(
     logits: torch.Tensor,  # [N, V]
+    params: Sequence[SamplingParams],  # N: each row's request
+    prompts: Sequence[Sequence[int]],  # N token lists: each row's prompt
+    outputs: Sequence[Sequence[int]],  # N token lists: the output before each row (drafts included)
+) -> torch.Tensor:  # [N, V] float32; `logits` itself when no row needs anything
+    """The raw logits as the request's processing sees them before temperature: `logit_bias`
+    added, then the penalties (`apply_penalties`), in vLLM's order."""
+    if not any(p.adjusted for p in params):
+        return logits
+    x = logits.float().clone()
+    biased = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+    if biased:
+        rows = [i for i, b in biased for _ in b]
+        cols = [int(t) for _, b in biased for t in b]
+        vals = [float(v) for _, b in biased for v in b.values()]
+        dev = x.device
+        x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                     torch.tensor(vals, device=dev), accumulate=True)
+    if any(p.penalized for p in params):
+        x = apply_penalties(x, prompts, outputs, [p.repetition_penalty for p in params],
+                            [p.presence_penalty for p in params], [p.frequency_penalty for p in params])
+    return x
+
+
+# ------------------------------------------------------------------ logits -> probs
+def _masked_sorted(
+    x: torch.Tensor,  # [N, V] float32
     temperature: torch.Tensor,  # [N]
     top_k: torch.Tensor,  # [N] int, <= 0 = off
     top_p: torch.Tensor,  # [N], 1 = off
     min_p: torch.Tensor,  # [N], 0 = off
-) -> torch.Tensor:  # [N, V] float32, rows sum to 1
-    """Apply temperature, then keep top-k, then the top-p nucleus, then p >= min_p * p_max.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x / T sorted descending with the removed tokens at -inf [N, V], the order [N, V],
+    greedy rows [N] bool): temperature, then top-k, then the top-p nucleus, then
+    p >= min_p * p_max.
 
     min-p compares each probability with the largest one; the ratio does not change when
     other tokens are removed, so its place in the order does not matter.
     """
-    x = logits.float()
     n, v = x.shape
     dev = x.device
     temperature = temperature.to(dev, torch.float32)
@@ -240,7 +182,20 @@ def logits_to_probs(
     min_p = min_p.to(dev, torch.float32)
     log_min_p = torch.where(min_p > 0, min_p.clamp_min(1e-30).log(), torch.full_like(min_p, float("-inf")))
     sorted_x = sorted_x.masked_fill(sorted_x < sorted_x[:, :1] + log_min_p[:, None], float("-inf"))
+    return sorted_x, order, greedy
 
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N] int, <= 0 = off
+    top_p: torch.Tensor,  # [N], 1 = off
+    min_p: torch.Tensor,  # [N], 0 = off
+) -> torch.Tensor:  # [N, V] float32, rows sum to 1
+    """Apply temperature, then keep top-k, then the top-p nucleus, then p >= min_p * p_max
+    (`_masked_sorted`). Rows with temperature 0, or that overflow, are one-hot at the argmax."""
+    x = logits.float()
+    sorted_x, order, greedy = _masked_sorted(x, temperature, top_k, top_p, min_p)
     probs = torch.zeros_like(x).scatter_(-1, order, sorted_x.softmax(dim=-1))
     greedy = greedy | ~torch.isfinite(probs).all(dim=-1)  # a row that overflowed falls back to argmax
     if bool(greedy.any()):
@@ -248,6 +203,26 @@ def logits_to_probs(
         one_hot = torch.zeros_like(x).scatter_(-1, safe.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs
+
+
+def processed_logprobs(
+    logits: torch.Tensor,  # [N, V] adjusted logits (`adjust_logits`)
+    temperature: torch.Tensor,  # [N]
+    top_k: torch.Tensor,  # [N] int
+    top_p: torch.Tensor,  # [N]
+    min_p: torch.Tensor,  # [N]
+) -> torch.Tensor:  # [N, V] float32, -inf where a token was removed
+    """The log of `logits_to_probs`' distribution, computed as a log-softmax (no underflow
+    to log 0 for unlikely tokens). Greedy rows (temperature 0) report the log-softmax of
+    their adjusted logits at temperature 1, unmasked: the model's distribution after
+    logit_bias and penalties, of which greedy takes the argmax."""
+    x = logits.float()
+    sorted_x, order, greedy = _masked_sorted(x, temperature, top_k, top_p, min_p)
+    lp = torch.empty_like(x).scatter_(-1, order, sorted_x.log_softmax(dim=-1))
+    greedy = greedy | ~torch.isfinite(lp.amax(dim=-1))
+    if bool(greedy.any()):
+        lp = torch.where(greedy[:, None], x.log_softmax(dim=-1), lp)
+    return lp
 
 
 def sample(probs: torch.Tensor) -> torch.Tensor:

@@ -328,6 +328,9 @@ class Scheduler:
 
     def _append(self, req: Request, tokens: list[int]) -> list[int]:
         p = req.params
+        if p.max_tokens == 0:  # prompt logprobs only (echo): the first token is not output
+            self.finish(req, FINISH_LENGTH)
+            return []
         for i, t in enumerate(tokens):
             req.output_ids.append(t)
             if self.is_stop_token(req, t):

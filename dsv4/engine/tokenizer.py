@@ -76,6 +76,7 @@ class Tokenizer:
         self.eos_id = self._special_id("eos_token", EOS_TOKEN)
         self.pad_id = self._special_id("pad_token", None)
         self.add_bos = self._adds_bos(spec.get("post_processor"))
+        self._byte_level = _is_byte_level(spec.get("decoder"))  # vocabulary strings are GPT-2 byte maps
         # UTF-8 bytes of the longest vocabulary entry: an upper bound on the text one token covers
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(True)), default=1)
 
@@ -209,6 +210,17 @@ class Tokenizer:
         """The vocabulary string of an id (byte-level form, as `convert_ids_to_tokens`), or None."""
         return self._tok.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes one token stands for (a piece of a character for some byte-level
+        tokens): the vocabulary string through GPT-2's byte map for a byte-level tokenizer,
+        else (and for added tokens outside that map) the token decoded alone."""
+        s = self._tok.id_to_token(token_id)
+        if s is None:
+            return b""
+        if self._byte_level and all(c in _UNICODE_TO_BYTE for c in s):
+            return bytes(_UNICODE_TO_BYTE[c] for c in s)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8", "surrogatepass")
+
     def detokenizer(self, skip_special_tokens: bool = False) -> "IncrementalDetokenizer":
         """A fresh streaming detokeniser over this tokenizer."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
@@ -274,6 +286,31 @@ class IncrementalDetokenizer:
         self._prefix = self._read = len(self.ids)
         self._emitted = 0
         return out
+
+
+def _byte_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: printable character -> the byte it stands for."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_map()
+
+
+def _is_byte_level(decoder: object) -> bool:
+    """Whether a tokenizer.json decoder is (or contains) ByteLevel."""
+    if not isinstance(decoder, dict):
+        return False
+    if decoder.get("type") == "ByteLevel":
+        return True
+    return any(_is_byte_level(d) for d in decoder.get("decoders") or [])
 
 
 def _prepends_special(post_processor: object, bos_id: int, tok: HFTokenizer) -> bool:
