@@ -111,7 +111,7 @@ class DeepseekV4(nn.Module):
                 mod.fuse()
         return self
 
-    def quantize_draft_head(self, rows: int = 8192) -> int:
+    def quantize_draft_head(self, rows: int = 1024) -> int:
         """W8A8 inference: the MTP drafts through an int8 copy of the head (per-row scales;
         `kernels.draft_linear`): a draft reads half the head's bytes,
         most of what it reads (V4 Flash: 1.06 GB of bf16 head against ~0.3 GB of int8 MTP
