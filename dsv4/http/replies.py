@@ -6,6 +6,9 @@ DSML tool-call parser (`dsv4.agents.dsml`): what the model writes as a
 `<｜DSML｜tool_calls>` block becomes `tool_calls` (streamed as `delta.tool_calls`: the
 name first, then the arguments in pieces) and never reaches `content`. A choice with
 complete calls finishes with `tool_calls`; one whose text ended inside a call with `length`.
+Logprobs, when asked, ride with the text they belong to (`dsv4.http.logprobs`): a stream
+chunk carries the entries of the tokens received since the last chunk; `echo` puts the
+prompt (its text, and its tokens' logprobs) before a completion's answer.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any, Callable
 
 from dsv4.agents.dsml import ContentDelta, DSMLStreamParser, Event, ToolCallArgs, ToolCallStart
 from dsv4.daemon import protocol as P
+from dsv4.http import logprobs as L
 from dsv4.http.requests import ApiError, Parsed
 from dsv4.http.stream import ReasoningSplitter
 
@@ -64,6 +68,12 @@ class Replies:
         self.done: set[str] = set()
         self.finished = 0
         self.error: ApiError | None = None
+        self.lp_all: list[Any] = [[] if chat else L.empty_completion() for _ in range(n)]  # every entry so far
+        self.lp_new: list[Any] = [[] if chat else L.empty_completion() for _ in range(n)]  # not yet in a chunk
+        self.lp_parts = [L.CompletionLogprobs() for _ in range(n)] if not chat else []
+        # completions with echo: the prompt's text until it is sent (a token-id prompt's comes with its logprobs)
+        self.echo_text: list[str | None] = [p if parsed.echo and isinstance(p, str) else None
+                                            for p in parsed.prompts[:n]]
 
     def take(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
         """Fold in one reply; returns the stream chunks it makes."""
@@ -87,6 +97,7 @@ class Replies:
                 m.observe_gap(now - self.last_time[i])
             self.last_time[i] = now
             m.observe_tokens(len(msg.get("token_ids") or ()))
+            self._logprobs(i, msg)
             reasoning, content = self.splitters[i].feed(msg.get("text") or "")
             return self._delta(i, reasoning, content, None, final=False)
         reasoning, content = self.splitters[i].flush()  # final
@@ -99,9 +110,36 @@ class Replies:
         self.finished += 1
         return self._delta(i, reasoning, content, self.reasons[i], final=True)
 
+    def _logprobs(self, i: int, msg: dict[str, Any]) -> None:
+        """Take a delta's logprobs (and, with echo, the prompt's) into choice i."""
+        prompt = msg.get("prompt_logprobs")
+        if self.parsed.echo and prompt is not None and not isinstance(self.parsed.prompts[i], str):
+            self.echo_text[i] = L.prompt_text(prompt)
+        if self.parsed.logprobs is None:
+            return
+        entries = (prompt if self.parsed.echo and prompt is not None else []) + (msg.get("logprobs") or [])
+        if self.chat:
+            new = L.chat_entries(entries)
+            self.lp_all[i].extend(new)
+            self.lp_new[i].extend(new)
+        elif entries:
+            part = self.lp_parts[i].part(entries)
+            L.extend(self.lp_all[i], part)
+            L.extend(self.lp_new[i], part)
+
+    def _chunk_logprobs(self, i: int) -> Any:
+        """The logprobs a stream chunk of choice i carries (those not sent yet), or None."""
+        new = self.lp_new[i]
+        if self.parsed.logprobs is None or not (new if self.chat else new["tokens"]):
+            return None
+        self.lp_new[i] = [] if self.chat else L.empty_completion()
+        return {"content": new, "refusal": None} if self.chat else new
+
     def _delta(self, i: int, reasoning: str, content: str, reason: str | None, final: bool
                ) -> list[dict[str, Any]]:
         calls: list[dict[str, Any]] = []
+        if self.echo_text[i] is not None:  # the first text of an echoing completion starts with the prompt
+            content, self.echo_text[i] = self.echo_text[i] + content, None
         parser = self.tools[i]
         if parser is not None:
             events = parser.feed(content) + (parser.finish() if final else [])
@@ -122,9 +160,9 @@ class Replies:
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
-            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "delta": delta, "logprobs": self._chunk_logprobs(i), "finish_reason": reason}
         else:
-            choice = {"index": i, "text": content, "logprobs": None, "finish_reason": reason}
+            choice = {"index": i, "text": content, "logprobs": self._chunk_logprobs(i), "finish_reason": reason}
         self.started[i] = True
         return [self.chunk([choice])]
 
@@ -142,8 +180,11 @@ class Replies:
     def whole(self) -> dict[str, Any]:
         choices = []
         for i in range(len(self.index)):
+            logprobs = None
+            if self.parsed.logprobs is not None:
+                logprobs = {"content": self.lp_all[i], "refusal": None} if self.chat else self.lp_all[i]
             if not self.chat:
-                choices.append({"index": i, "text": self.content[i], "logprobs": None,
+                choices.append({"index": i, "text": self.content[i], "logprobs": logprobs,
                                 "finish_reason": self.reasons[i]})
                 continue
             message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
@@ -154,6 +195,6 @@ class Replies:
                 message["tool_calls"] = calls
             if self.parsed.thinking:
                 message["reasoning_content"] = self.reasoning[i]
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": self.reasons[i]})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": self.reasons[i]})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices, "usage": self.usage()}

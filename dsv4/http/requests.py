@@ -7,10 +7,13 @@ in the daemon, whose error becomes a 400 too.
 
 Nothing is silently ignored: an OpenAI field (or a well-known vLLM extension) that would
 change the answer and that dsv4 does not implement gets a 400 naming it (`REFUSED`),
-unless its value changes nothing (`response_format: {"type": "text"}`, `n: 1`, `logit_bias:
-{}`, ...). Fields that never change the answer (`user`, `metadata`, `safety_identifier`,
-`prompt_cache_key`, `parallel_tool_calls` without tools) and unknown vendor fields are
-ignored, as OpenAI ignores what it does not know.
+unless its value changes nothing (`response_format: {"type": "text"}`, `n: 1`, ...).
+Honoured: `logprobs` / `top_logprobs` (chat, 0..20), integer `logprobs` (completions, 0..5)
+and `echo` (completions: the prompt's logprobs too, from the engine's `prompt_logprobs`;
+`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the
+reply shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`,
+`metadata`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools)
+and unknown vendor fields are ignored, as OpenAI ignores what it does not know.
 
 Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
 rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`), with `tools`,
@@ -43,14 +46,13 @@ _NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731
 
 # field -> (is its value a no-op?, the reason it is refused otherwise)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (lambda v: v == {}, "logit_bias is not supported by this server"),
     "response_format": (lambda v: v == {"type": "text"},
                         'response_format is not supported by this server (only {"type": "text"}, plain text)'),
-    "logprobs": (lambda v: v == 0, "logprobs are not supported by this server"),  # false or 0
-    "top_logprobs": (lambda v: v == 0, "logprobs are not supported by this server"),
+    "top_logprobs": (lambda v: v == 0, "top_logprobs is for /v1/chat/completions; completions take an integer "
+                                       "logprobs"),
     "n": (lambda v: v == 1 and not isinstance(v, bool), "only n = 1 is supported"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of is not supported by this server"),
-    "echo": (lambda v: v is False, "echo is not supported by this server"),
+    "echo": (lambda v: v is False, "echo is for /v1/completions, not chat"),
     "suffix": (lambda v: v == "", "suffix is not supported by this server"),
     "tools": (lambda v: v == [], "tools are for /v1/chat/completions, not completions"),
     "tool_choice": (lambda v: v == "none", "tool_choice is for /v1/chat/completions, not completions"),
@@ -107,6 +109,8 @@ class Parsed:
     thinking: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
     tools: list[dict[str, Any]] | None = None  # rendered in the prompt: the answer's DSML is parsed into tool_calls
+    logprobs: int | None = None  # the reply carries logprobs with this many top tokens (None: no logprobs)
+    echo: bool = False  # completions: the prompt (and its logprobs) before the answer
 
 
 def _bad(msg: str, param: str | None = None) -> ApiError:
@@ -117,8 +121,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-# fields of REFUSED that a chat request honours (the prompt encoding renders them)
-CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort")
+# fields of REFUSED that a chat request honours (the prompt encoding renders them, logprobs)
+CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort", "top_logprobs")
+COMPLETION_FIELDS = ("echo",)
+MAX_CHAT_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_BIAS = 20, 5, 100  # OpenAI's ranges
 
 
 def refuse_unsupported(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> None:
@@ -156,6 +162,9 @@ def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[
         if stop:
             params["stop"] = stop
     refuse_unsupported(body, honoured)
+    bias = logit_bias_of(body)
+    if bias:
+        params["logit_bias"] = bias
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -177,9 +186,56 @@ def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[
     return params, stream, include_usage
 
 
+def logit_bias_of(body: dict[str, Any]) -> dict[str, float]:
+    """`logit_bias`: token ids (strings of digits, as JSON keys are) -> a bias in [-100, 100]
+    (the vocabulary's bound is the daemon's check)."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return {}
+    if not isinstance(bias, dict):
+        raise _bad("logit_bias must be an object mapping token ids to numbers", "logit_bias")
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+            raise _bad(f"logit_bias keys must be token ids (strings of digits), got {_short(k)}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_BIAS <= v <= MAX_BIAS:
+            raise _bad(f"logit_bias values must be numbers in [-{MAX_BIAS}, {MAX_BIAS}], got {_short(v)} for "
+                       f"token {k}", "logit_bias")
+    return {str(int(k)): float(v) for k, v in bias.items()}
+
+
+def chat_logprobs(body: dict[str, Any], params: dict[str, Any]) -> int | None:
+    """`logprobs` (true/false), `top_logprobs` (0..20, needs logprobs) -> top tokens per position, or None."""
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise _bad(f"logprobs must be true or false, got {_short(lp)}", "logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_CHAT_LOGPROBS):
+        raise _bad(f"top_logprobs must be an integer in [0, {MAX_CHAT_LOGPROBS}], got {_short(top)}",
+                   "top_logprobs")
+    if top and not lp:
+        raise _bad("top_logprobs needs logprobs: true", "top_logprobs")
+    if lp:
+        params["logprobs"] = top or 0
+    return params.get("logprobs")
+
+
+def completion_logprobs(body: dict[str, Any], params: dict[str, Any]) -> tuple[int | None, bool]:
+    """Integer `logprobs` (0..5) and `echo` -> (logprobs or None, echo)."""
+    lp, echo = body.get("logprobs"), body.get("echo")
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_COMPLETION_LOGPROBS):
+        raise _bad(f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {_short(lp)}", "logprobs")
+    if echo is not None and not isinstance(echo, bool):
+        raise _bad(f"echo must be true or false, got {_short(echo)}", "echo")
+    if lp is not None:
+        params["logprobs"] = lp
+    if params.get("max_tokens") == 0 and not echo:
+        raise _bad("max_tokens must be at least 1 (0 only with echo)", "max_tokens")
+    return lp, bool(echo)
+
+
 def parse_completion(body: dict[str, Any]) -> Parsed:
     """POST /v1/completions: `prompt` is a string, a list of strings, token ids or lists of token ids."""
-    params, stream, include_usage = _common(body)
+    params, stream, include_usage = _common(body, COMPLETION_FIELDS)
+    lp, echo = completion_logprobs(body, params)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -195,7 +251,9 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
                    "token ids (not empty)", "prompt")
     if any(isinstance(p, str) and not p for p in prompts) or any(isinstance(p, list) and not p for p in prompts):
         raise _bad("the prompt is empty", "prompt")
-    return Parsed(prompts, params, stream, include_usage, mode="raw")
+    if echo and (lp is not None or params.get("max_tokens") == 0 or any(isinstance(p, list) for p in prompts)):
+        params["prompt_logprobs"] = lp or 0  # the prompt's tokens (and the text of token-id prompts)
+    return Parsed(prompts, params, stream, include_usage, mode="raw", logprobs=lp, echo=echo)
 
 
 def _content(msg: dict[str, Any], i: int) -> str:
@@ -307,7 +365,9 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
         raise _bad(f"tool_choice {what} needs constrained decoding, which this server does not do yet; "
                    f'use "auto"', "tool_choice")
     tools = body.get("tools") if chat.tool_choice == "auto" and body.get("tools") else None
-    return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools)
+    lp = chat_logprobs(body, params)
+    return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,
+                  logprobs=lp)
 
 
 def parse_tokenize(body: dict[str, Any], tokenizer: Any) -> list[int]:

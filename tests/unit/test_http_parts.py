@@ -27,7 +27,7 @@ def test_completion_fields_map_to_sampling_params():
 
 
 @pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": None},
-                                  {"prompt": "x", "n": 2}, {"prompt": "x", "echo": True},
+                                  {"prompt": "x", "n": 2}, {"prompt": "x", "echo": "yes"},
                                   {"prompt": "x", "stream_options": {"include_usage": True}},
                                   {"prompt": "x", "stream": "yes"}, {"prompt": "x", "stop": [1]},
                                   {"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}])

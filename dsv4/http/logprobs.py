@@ -1,0 +1,74 @@
+"""The daemon's logprobs (`delta.logprobs`, `delta.prompt_logprobs`: `dsv4.engine.logprobs`) in
+OpenAI's reply shapes.
+
+* chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token,
+  logprob, bytes}]}], "refusal": null}`, one entry per generated token (reasoning tokens
+  included), in the chunk that carries the token's text or a later one;
+* completions: `choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token:
+  logprob}], text_offset}`; `top_logprobs` holds the n most likely tokens and always the
+  chosen one (so n + 1 entries at most, as OpenAI documents); with `echo` the prompt's
+  tokens come first, the first one with null logprob and top_logprobs. `text_offset` counts
+  characters from the start of the choice's text and continues across stream chunks.
+
+A logprob of -inf (a token the request's top-k / top-p removed; nil on the wire) is
+reported as -9999.0, as vLLM does: JSON has no infinity.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+FLOOR = -9999.0
+
+
+def _lp(v: float | None) -> float:
+    return FLOOR if v is None or v < FLOOR else float(v)
+
+
+def chat_entries(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Wire entries -> chat `logprobs.content` entries."""
+    return [{"token": e["token"], "logprob": _lp(e["logprob"]), "bytes": list(e["bytes"]),
+             "top_logprobs": [{"token": t["token"], "logprob": _lp(t["logprob"]), "bytes": list(t["bytes"])}
+                              for t in e["top"]]} for e in entries]
+
+
+def empty_completion() -> dict[str, list[Any]]:
+    return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+
+def extend(into: dict[str, list[Any]], part: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """`into` with `part`'s lists appended (in place)."""
+    for k, v in part.items():
+        into[k].extend(v)
+    return into
+
+
+def prompt_text(entries: list[dict[str, Any]]) -> str:
+    """The text of prompt tokens (for echo of a token-id prompt): their bytes, decoded."""
+    return b"".join(bytes(e["bytes"]) for e in entries).decode("utf-8", "replace")
+
+
+class CompletionLogprobs:
+    """One completions choice's logprobs, built chunk by chunk (text offsets continue)."""
+
+    def __init__(self) -> None:
+        self.offset = 0  # characters of the choice's text before the next token
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def part(self, entries: list[dict[str, Any]]) -> dict[str, list[Any]]:
+        out = empty_completion()
+        for e in entries:
+            out["text_offset"].append(self.offset)
+            self.offset += len(self._utf8.decode(bytes(e["bytes"])))
+            out["tokens"].append(e["token"])
+            if e["logprob"] is None and not e["top"]:  # the first prompt token: nothing before it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            lp = _lp(e["logprob"])
+            top = {t["token"]: _lp(t["logprob"]) for t in e["top"]}
+            top.setdefault(e["token"], lp)  # the chosen token is always there
+            out["token_logprobs"].append(lp)
+            out["top_logprobs"].append(top)
+        return out

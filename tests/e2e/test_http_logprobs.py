@@ -1,0 +1,162 @@
+"""Logprobs, echo and logit_bias through a real `dsv4 serve --http` (MTP K = 2) and the `openai`
+package: OpenAI's shapes, streamed = whole, and the numbers equal a full forward of the same
+checkpoint in this process (greedy chat logprobs; the prompt logprobs lm-eval's
+`local-completions` loglikelihood reads: prompt token ids, echo, logprobs, max_tokens 1)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import openai
+import pytest
+import torch
+
+from tests.e2e.util import Daemon, free_port, wait_until
+
+KEY = "sk-test-logprobs"
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path) -> Iterator[int]:
+    port = free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV4_API_KEY", KEY)
+        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY, "--num-speculative-tokens", "2",
+                   "--long-prefill-token-threshold", "16").wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
+        yield port
+        d.cleanup()
+
+
+def _alive(c: openai.OpenAI) -> bool:
+    try:
+        return bool(c.models.list().data)
+    except openai.APIError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def client(server: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model: Path):
+    from dsv4.model.loader import load_model
+
+    return load_model(tiny_model, dtype=torch.float32).eval()
+
+
+def _logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([ids]))[0].float().log_softmax(-1)  # [S, V]
+
+
+def _name(c: openai.OpenAI) -> str:
+    return c.models.list().data[0].id
+
+
+def _tokenize(client: openai.OpenAI, body: dict) -> list[int]:
+    """POST /tokenize (vLLM's route, beside /v1)."""
+    req = urllib.request.Request(str(client.base_url).replace("/v1/", "/tokenize"), data=json.dumps(body).encode(),
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())["tokens"]
+
+
+def test_chat_logprobs_streamed_equal_whole_and_a_full_forward(client, model):
+    msgs = [{"role": "user", "content": "To be, or not"}]
+    kw = dict(model=_name(client), messages=msgs, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 12
+    text = ""
+    for e in content:
+        assert len(e.top_logprobs) == 3 and e.top_logprobs[0].token == e.token  # greedy: the most likely
+        vals = [t.logprob for t in e.top_logprobs]
+        assert vals == sorted(vals, reverse=True) and e.top_logprobs[0].logprob == e.logprob
+        assert e.bytes is not None
+        text += bytes(e.bytes).decode("utf-8", "replace") if not e.token.startswith("bytes:") else ""
+    streamed = []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content or []
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # the numbers: log-softmax of a full forward over the prompt the server used and the answer
+    prompt = _tokenize(client, {"messages": msgs})
+    answer = _tokenize(client, {"prompt": r.choices[0].message.content, "add_special_tokens": False})
+    if len(answer) == 12:  # the text re-tokenizes to the same ids (a byte-level BPE usually does)
+        lp = _logprobs(model, prompt + answer)
+        want = [lp[len(prompt) - 1 + j, t].item() for j, t in enumerate(answer)]
+        assert max(abs(e.logprob - w) for e, w in zip(content, want)) <= TOL
+
+
+def test_lm_eval_loglikelihood_request(client, model):
+    """What lm-eval's local-completions sends for loglikelihood: token ids, echo, logprobs 1, max_tokens 1."""
+    ids = torch.randint(3, 4096, (40,), generator=torch.Generator().manual_seed(3)).tolist()  # 3 chunks of 16
+    r = client.completions.create(model=_name(client), prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                  echo=True, seed=1234)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 41
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    full = _logprobs(model, ids)
+    want = [full[j - 1, ids[j]].item() for j in range(1, 40)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:40], want)) <= TOL
+    for tok, v, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert top[tok] == v and 1 <= len(top) <= 2  # the most likely, and the chosen one
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # lm-eval's sum and is_greedy over a continuation
+    ctx = 30
+    assert abs(sum(lp.token_logprobs[ctx:-1]) - sum(want[ctx - 1:])) <= 40 * TOL
+    r0 = client.completions.create(model=_name(client), prompt=ids, max_tokens=0, logprobs=0, echo=True)
+    assert r0.usage.completion_tokens == 0 and len(r0.choices[0].logprobs.tokens) == 40
+    assert r0.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:40]
+
+
+def test_completion_stream_with_echo_equals_whole(client):
+    kw = dict(model=_name(client), prompt="The king", max_tokens=6, temperature=0, logprobs=2, echo=True,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0]
+    assert whole.text.startswith("The king")
+    text, merged = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            text += c.text
+            for k in merged:
+                merged[k] += getattr(c.logprobs, k) if c.logprobs is not None else []
+    assert text == whole.text and merged == whole.logprobs.model_dump()
+
+
+def test_logit_bias_forces_and_bans(client):
+    kw = dict(model=_name(client), prompt="The king", max_tokens=5, temperature=0, logprobs=0,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].logprobs.tokens
+    forced = client.completions.create(**kw, logit_bias={"77": 100}).choices[0].logprobs.tokens
+    assert len(set(forced)) == 1 and forced != plain
+    first = _tokenize(client, {"prompt": plain[0], "add_special_tokens": False})
+    banned = client.completions.create(**kw, logit_bias={str(first[0]): -100}).choices[0].logprobs.tokens
+    assert banned[0] != plain[0]
+    chat = client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=3, temperature=0, logit_bias={"77": 100}, logprobs=True)
+    assert len({e.token for e in chat.choices[0].logprobs.content}) == 1
+
+
+@pytest.mark.parametrize("chat, extra", [
+    (True, {"logprobs": True, "top_logprobs": 21}), (True, {"top_logprobs": 2}), (True, {"echo": True}),
+    (False, {"logprobs": 6}), (False, {"logit_bias": {"5": 101}}), (False, {"logit_bias": {"999999": 1}}),
+    (False, {"max_tokens": 0})])
+def test_bad_values_are_400(client, chat, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        if chat:
+            client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "x"}],
+                                           max_tokens=2, extra_body=extra)
+        else:
+            client.completions.create(model=_name(client), prompt="x", **{"max_tokens": 2, **extra})
+    assert e.value.status_code == 400 and e.value.body["message"] and "\n" not in e.value.body["message"]
+    json.dumps(e.value.body)
