@@ -168,3 +168,45 @@ def test_bad_values_are_refused(ckpt):
                 dict(logit_bias=[1]), dict(max_tokens=0)):
         with pytest.raises(RequestError):
             llm.engine.add_request([1, 2, 3], SamplingParams(**bad))
+
+
+def test_greedy_and_prompt_logprobs_equal_transformers(ckpt):
+    """The issue's promise, against transformers' independent DeepseekV4ForCausalLM (same weights)."""
+    transformers = pytest.importorskip("transformers")
+    from dsv4.model.hf_compat import hf_config_dict, official_to_hf
+
+    d, model = ckpt
+    cfg = model.cfg
+    hf = transformers.DeepseekV4ForCausalLM(transformers.DeepseekV4Config(**hf_config_dict(cfg))).eval()
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    missing, unexpected = hf.load_state_dict(official_to_hf(sd, cfg), strict=False)
+    assert not missing and not unexpected
+    prompt = _prompt(37, seed=9)
+    (c,) = _llm(d, 2).generate([prompt], SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=2,
+                                                        prompt_logprobs=2))
+    ids = prompt + c.token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), use_cache=False).logits[0].float().log_softmax(-1)
+    got = [e["logprob"] for e in c.prompt_logprobs[1:]] + [e["logprob"] for e in c.logprobs]
+    want = [ref[j - 1, ids[j]].item() for j in range(1, len(ids))]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3
+    assert c.token_ids == [int(ref[len(prompt) - 1 + j].argmax()) for j in range(GEN)]
+
+
+def test_two_ranks_report_what_one_does(tiny_checkpoint):
+    """--tensor-parallel-size 2: the prompt-logprob chunks get the same head rows on every rank
+    (the plan says which), and biased greedy drafts are rank 0's; same tokens and logprobs."""
+    prompts = [_prompt(37, seed=10), _prompt(9, seed=11)]
+    params = [SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(max_tokens=GEN, ignore_eos=True, logprobs=1, logit_bias={77: 5.0})]
+    outs = []
+    for T in (1, 2):
+        with LLM(tiny_checkpoint, tensor_parallel_size=T, num_speculative_tokens=2, max_num_seqs=2,
+                 max_model_len=128, prefill_limit=16) as llm:
+            outs.append(llm.generate(prompts, params))
+    for a, b in zip(*outs):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(a.logprobs, b.logprobs)) <= TOL
+    pa, pb = outs[0][0].prompt_logprobs, outs[1][0].prompt_logprobs
+    assert len(pa) == len(pb) == 37
+    assert max(abs(x["logprob"] - y["logprob"]) for x, y in zip(pa[1:], pb[1:])) <= TOL
