@@ -217,6 +217,8 @@ def processed_logprobs(
     their adjusted logits at temperature 1, unmasked: the model's distribution after
     logit_bias and penalties, of which greedy takes the argmax."""
     x = logits.float()
+    if bool((temperature <= 0).all()):  # greedy rows only: no sort
+        return x.log_softmax(dim=-1)
     sorted_x, order, greedy = _masked_sorted(x, temperature, top_k, top_p, min_p)
     lp = torch.empty_like(x).scatter_(-1, order, sorted_x.log_softmax(dim=-1))
     greedy = greedy | ~torch.isfinite(lp.amax(dim=-1))
