@@ -7,7 +7,9 @@ One `execute(plan)` call runs a scheduler step:
 2. sampling of first tokens (last prefill chunk) and verification of drafts (equality
    with the target's argmax or, for seeded requests, its keyed draw; rejection sampling
    against the draft distribution q for unseeded sampled ones), then rollback of the
-   rejected positions;
+   rejected positions (`verify.py`, which also takes the logprobs of requests that ask);
+   a prefill chunk of a request asking for prompt logprobs gets the head over all its
+   rows (`logit_idx`), gathered per slot until its last chunk (`_choose`);
 3. the MTP drafter over the newly completed pairs (h_t, x_{t+1}) of every
    speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
    drafts (each chosen by `drafting.propose`: the argmax for greedy requests, a draw from
