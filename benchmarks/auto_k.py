@@ -2,6 +2,7 @@
 """`--num-speculative-tokens auto` against every fixed K, as ratios within one run.
 
     python benchmarks/auto_k.py [--rounds 2] [--prompts 8] [--gen 32] [--threads 1] [--out runs/bench]
+    python benchmarks/auto_k.py --tpot [--fresh] [--rounds 5] [--gen 64] [--threads 1]
 
 One engine per arm (auto, K = 0, 1, 2, 3; embedded model, max_num_seqs 8), built once.
 For each round, concurrency (1, 8) and prompt set (256-token windows of the held-out
@@ -10,6 +11,15 @@ every round (these machines are shared: alternating spreads the drift over all a
 each driving every prompt to 32 greedy tokens (EOS ignored). Reported: the best output
 tok/s of each arm over the rounds, auto / best fixed K, and which K auto chose (share of
 its steps).
+
+`--tpot`: batch 1 instead, the issue's measurement: one 256-token held-out prompt, `--gen`
+new tokens, greedy, temperature 0 over the model's generation_config.json (what `dsv4 run
+--temperature 0` decodes: greedy with its repetition penalty) and its default sampling;
+arms K = 0, 1, 2 (as far as the MTP depth allows) and auto with the CLI's max_num_seqs 8,
+interleaved in rotating order for `--rounds` rounds (`--fresh`: a new engine for every
+run, as `dsv4 run --local` has). Reported per arm: median time per output token (TPOT),
+auto / best fixed K, the K auto chose per step, its MTP catch-up dispatches, and its
+calibrated cost estimates against the ones it ends with.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import argparse
 import json
 import random
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -34,19 +45,94 @@ from run import drive, heldout_prompts, machine  # noqa: E402
 ARMS = ["auto", "0", "1", "2", "3"]
 
 
-def count_choices(llm: LLM) -> dict:
+def count_choices(llm: LLM, holder: dict | None = None) -> dict:
     """Count the K auto's policy picks into `holder["counter"]` (wraps its `choose`; the
-    choice itself is unchanged)."""
-    pol, holder = llm.engine.policy, {"counter": Counter()}
+    choice itself is unchanged), and append them to `holder["seq"][-1]` when there is one."""
+    pol, holder = llm.engine.policy, {"counter": Counter()} if holder is None else holder
     choose = pol.choose
 
     def counted(batch: int) -> int:
         k = choose(batch)
         holder["counter"][k] += 1
+        if holder.get("seq"):
+            holder["seq"][-1].append(k)
         return k
 
     pol.choose = counted
     return holder
+
+
+def instrument(llm: LLM, holder: dict, catch: dict) -> None:
+    """Count auto's choices (`count_choices`) and its MTP catch-ups (number, pairs, seconds)."""
+    count_choices(llm, holder)
+    runner = llm.engine.runner
+    catch_up = runner._catch_up
+
+    def counted(slot: int, t0: int) -> None:
+        catch["n"] += 1
+        catch["pairs"] += len(runner.backlog[slot][2])
+        t = time.perf_counter()
+        catch_up(slot, t0)
+        catch["s"] += time.perf_counter() - t
+
+    runner._catch_up = counted
+
+
+def tpot(a: argparse.Namespace) -> None:
+    """Batch-1 TPOT of K = 0, 1, 2 and auto (see the module docstring, `--tpot`)."""
+    model = dsv4.DEFAULT_MODEL
+    (prompt,) = heldout_prompts(Tokenizer.from_dir(model), a.data, 1, 256)
+    make = lambda arm: LLM(model, num_speculative_tokens=arm, max_model_len=1024)  # noqa: E731
+    auto = make("auto")
+    depth = auto.engine.config.num_speculative_tokens
+    names = ["auto"] + [str(k) for k in range(min(depth, 2) + 1)]
+    arms = {"auto": auto, **{k: make(int(k)) for k in names[1:]}}
+    holder: dict = {"counter": Counter()}
+    catch = {"n": 0, "pairs": 0, "s": 0.0}
+    instrument(auto, holder, catch)
+    calib = {"verify": dict(auto.engine.policy.verify.points), "draft": dict(auto.engine.policy.draft.points)}
+    default = auto.engine.default_params.__dict__
+    modes = {"greedy": SamplingParams(max_tokens=a.gen, ignore_eos=True),
+             "temperature 0 over generation_config (run --temperature 0)":
+                 SamplingParams(**{**default, "temperature": 0.0, "max_tokens": a.gen, "ignore_eos": True}),
+             "default sampling": SamplingParams(**{**default, "max_tokens": a.gen, "ignore_eos": True})}
+    for llm in arms.values():  # warm-up
+        drive(llm, [prompt], modes["greedy"], 1)
+    res: dict = {}
+    for mode, params in modes.items():
+        holder["counter"] = Counter()
+        seqs: list[list[int]] = []
+        holder["seq"] = seqs
+        catch.update(n=0, pairs=0, s=0.0)
+        for r in range(a.rounds):
+            for arm in names[r % len(names):] + names[:r % len(names)]:
+                if a.fresh:  # a new engine per run, as `dsv4 run --local` has (auto calibrates anew)
+                    arms[arm] = make(arm if arm == "auto" else int(arm))
+                    if arm == "auto":
+                        instrument(arms[arm], holder, catch)
+                if arm == "auto":
+                    seqs.append([])
+                res.setdefault((mode, arm), []).append(drive(arms[arm], [prompt], params, 1)["tpot_ms"])
+        print(f"{mode}: " + ", ".join(f"K={arm} " + "/".join(f"{x:.1f}" for x in res[(mode, arm)]) for arm in names)
+              + " ms/token", flush=True)
+        med = {arm: sorted(res[(mode, arm)])[len(res[(mode, arm)]) // 2] for arm in names}
+        fixed = min(names[1:], key=med.__getitem__)
+        cnt = holder["counter"]
+        total = sum(cnt.values()) or 1
+        print("  median ms/token: " + ", ".join(f"K={arm} {med[arm]:.2f}" for arm in names)
+              + f"; auto / best fixed (K = {fixed}), in speed: {med[fixed] / med['auto']:.3f}x")
+        print("  auto chose " + ", ".join(f"K={k}: {100 * n / total:.0f}%" for k, n in sorted(cnt.items()))
+              + f" of {total} steps; catch-ups {catch['n']} over {catch['pairs']} pairs, {1e3 * catch['s']:.1f} ms; "
+              f"K by step (first round): {''.join(map(str, seqs[0][:80]))}", flush=True)
+    pol = arms["auto"].engine.policy
+    fmt = lambda d: ", ".join(f"{n}: {1e3 * s:.2f}" for n, s in sorted(d.items())[:6])  # noqa: E731
+    print(f"calibrated (first auto engine): verify ms by tokens {fmt(calib['verify'])}; MTP ms by rows "
+          f"{fmt(calib['draft'])}")
+    print(f"at the end (last auto engine): verify ms by tokens {fmt(pol.verify.points)}; MTP ms by rows "
+          f"{fmt(pol.draft.points)}; overhead {1e3 * pol.overhead:.2f} ms; acceptance "
+          f"{', '.join(f'{x:.2f}' for x in pol.acceptance)}"
+          + (f"; level (serving / calibration) verify {pol.verify.level:.2f}, MTP {pol.draft.level:.2f}"
+             if hasattr(pol.verify, "level") else ""))
 
 
 def main() -> None:
@@ -59,8 +145,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (default 1: on a shared machine, OpenMP barriers of 2 threads stall "
                          "whenever another tenant holds a core)")
+    ap.add_argument("--tpot", action="store_true", help="batch-1 time per token of K = 0, 1, 2 and auto, greedy and "
+                    "default sampling (the issue's measurement); --rounds repetitions, --gen tokens")
+    ap.add_argument("--fresh", action="store_true", help="--tpot: a new engine for every run (as `dsv4 run --local`)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    if a.tpot:
+        return tpot(a)
     model = dsv4.DEFAULT_MODEL
     tok = Tokenizer.from_dir(model)
     rng = random.Random(0)

@@ -72,6 +72,7 @@ class Runner:
         self.k_draft = num_spec  # drafts to make this step (auto: set by the engine before each step)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> (t0, h rows, x_{t+1})
         self.timed = {"verify": 0.0, "draft": 0.0}  # seconds spent in this step's dispatches (auto)
+        self.modelled = 0.0  # of which this step's MTP dispatches and catch-ups (auto)
         # scratch_slot: one more slot, owned by no request, that compiled buckets pad into
         self.state = model.new_state(max_num_seqs + int(scratch_slot), max_model_len + num_spec + 1,
                                      max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1)
@@ -95,18 +96,24 @@ class Runner:
         self.prompt_lp.pop(slot, None)
 
     @torch.inference_mode()
-    def calibrate(self, repeats: int = 2) -> None:
-        """For auto K, before any request: time decode-shaped dispatches of the main model and
-        the MTP (1 row of 1, 2 and 1 + K tokens, max_num_seqs rows of 1 and 1 + K tokens),
-        best of `repeats` after a warm-up, into the policy's cost tables (running steps
-        refine them). The slots used are freed again."""
-        pol, S, K = self.policy, self.max_num_seqs, self.num_spec
-        shapes = sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)})
-        for b, n in shapes:
-            rows = [(s, 0, [0] * n) for s in range(b)]
+    def calibrate(self, repeats: int = 3) -> None:
+        """For auto K, before any request: the best of `repeats` timings (after a warm-up) of
+        decode-shaped dispatches of the main model and the MTP (1 row of 1, 2 and 1 + K tokens,
+        max_num_seqs rows of 1 and 1 + K), the shape of the policy's cost tables. As in serving
+        the tokens differ (identical ones route to the same experts: each verified token looked
+        half as dear). They run at position 0: a context would first run shapes serving has not
+        asked for yet (a prefill, attention over it), and under bfloat16 each new matmul shape
+        keeps ~1 MiB in oneDNN's kernel cache (+8 MiB of data segment on the w8a8 test model,
+        more than a tight RLIMIT_DATA left for the daemon's threads); the steps that run move
+        the tables' level to the real context's costs. The slots are freed again."""
+        pol, S, K, cfg = self.policy, self.max_num_seqs, self.num_spec, self.model.cfg
+        gen = torch.Generator().manual_seed(0)
+        ids = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+        for b, n in sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)}):
             last = torch.arange(n - 1, b * n, n, device=self.device)  # the row each request drafts from
             best_v = best_d = float("inf")
             for rep in range(repeats + 1):  # the first run of a shape warms up
+                rows = [(s, 0, ids(n)) for s in range(b)]
                 for s in range(b):
                     self.state.free(s)
                 t = time.perf_counter()
@@ -118,8 +125,8 @@ class Runner:
                     lg.argmax(dim=-1).tolist()
                 if rep:
                     best_v, best_d = min(best_v, t_draft - t), min(best_d, time.perf_counter() - t_draft)
-            pol.verify.observe(b * n, best_v)
-            pol.draft.observe(b * n, best_d)
+            pol.verify.calibrate(b * n, best_v)
+            pol.draft.calibrate(b * n, best_d)
         for s in range(S):
             self.state.free(s)
 
@@ -176,13 +183,17 @@ class Runner:
             for req, _, _, drafts in samples:  # rejected drafts leave the state
                 if drafts is not None:
                     self.state.rollback(req.slot, req.num_computed_tokens + 1 + results[req.slot].num_accepted)
-        t_draft = time.perf_counter()
+        t_draft, self.modelled = time.perf_counter(), 0.0
         with record_function("dsv4.mtp"):
             self._draft(want, hidden, results, timed=self.policy is not None and not prefills)
         if self.policy is not None:
             self.timed = {"verify": t_draft - t, "draft": time.perf_counter() - t_draft}
-            if not prefills:  # a pure decode step: its cost by token count
+            if not prefills:  # a pure decode step: its cost by token count; the MTP's outside its dispatches
                 self.policy.verify.observe(off, t_draft - t)
+                if self.modelled:
+                    self.policy.observe_draft_extra(self.timed["draft"] - self.modelled)
+            self.policy.backlog_rows = sum(len(self.backlog[r.slot][2]) for r, *_ in prefills + decodes
+                                           if r.slot in self.backlog)  # what restarting drafts catches up
         return results
 
     def _choose(self, samples, logits: torch.Tensor, prompt_rows, n_sample: int) -> dict[int, StepResult]:
@@ -231,7 +242,8 @@ class Runner:
         pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]
         top, qs = propose(logits, heads, outs, pos)
         if timed and self.policy is not None:
-            self.policy.draft.observe(len(batch.input_ids), time.perf_counter() - t)
+            self.policy.draft.observe(len(batch.input_ids), dt := time.perf_counter() - t)
+            self.modelled += dt
         return z, top, qs
 
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
@@ -256,6 +268,7 @@ class Runner:
         """Run the MTP over the backlog of `slot`, so that its cache holds every pair before t0."""
         b0, hs, toks = self.backlog.pop(slot)
         assert b0 + len(toks) == t0, "the MTP backlog must end where this step's pairs start"
+        t = time.perf_counter()
         if b0 < self.state.mtp_lengths[slot]:
             self.state.rollback(slot, self.state.lengths[slot], mtp_length=b0)
         else:
@@ -266,6 +279,7 @@ class Runner:
             piece = toks[lo:lo + step]
             self.model.mtp_forward(Batch.build([(slot, b0 + lo, piece)], self.device), h[lo:lo + len(piece)],
                                    self.state, torch.zeros(0, dtype=torch.long, device=self.device))
+        self.modelled += time.perf_counter() - t  # auto K: the catch-up's cost is the policy's backlog_rows
 
     def _draft(self, want, hidden: torch.Tensor, results: dict[int, StepResult], timed: bool = False) -> None:
         """Run the MTP over the pairs this step completed and propose the next drafts."""

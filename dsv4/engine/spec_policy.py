@@ -10,15 +10,27 @@ probabilities a_1..a_K (a_i: draft i is accepted given drafts 1..i-1 were),
 
 `verify(T)` is the measured cost of a main-model dispatch of T decode tokens,
 `draft(B, K)` that of the MTP dispatches (one over about B * E_K / B accepted rows, then
-K - 1 over B rows), `overhead` the rest of an engine step. Costs start from a
-calibration at startup and follow the running steps (exponential moving averages keyed by
-token count, linearly interpolated in between); acceptance follows the verified drafts.
+K - 1 over B rows, plus `draft_extra`, the MTP's bookkeeping around them), `overhead`
+the rest of an engine step. Each cost table is a level times a shape (`CostTable`): the
+startup calibration gives the shape (how the cost grows with the count;
+`Runner.calibrate` times distinct tokens after a full window of context, as serving sees
+them), every timed dispatch moves the level, whatever its count, and timings of two
+counts close together (a K switch, a probe) correct the shape. So every K is compared at
+today's level: per-count averages left the K not in use at stale, calibrated costs, and
+auto flapped to them. Acceptance follows the verified drafts.
 `choose(B)` returns the K with the highest throughput, keeping the current K unless
 another is better by `hysteresis`, so noise does not make it flap.
 
-While K = 0 nothing measures acceptance, so after `probe_interval` steps at K = 0 the
-policy drafts with K = 1 for `probe_steps` steps (the cost of finding out that
-speculation started to pay, about 1% of steps).
+Restarting drafts after steps at K = 0 first runs the MTP over the pairs it skipped (the
+runner's backlog, `backlog_rows`, at most a window per request): that catch-up is counted
+as a cost spread over `horizon` steps of the new K, so short gains do not pay for it.
+
+After `probe_interval` steps at one K (`first_probe` the first time, so that a fresh
+engine learns early) the policy drafts with K - 1 or K + 1, in turn, for `probe_steps`
+steps (under 2% of steps): at K = 0 nothing else measures acceptance, and at any K the
+probe's timings next to the usual ones correct the cost shape (above). The acceptance prior
+weighs as `prior_weight` verified drafts per depth, few enough that one request's drafts
+outweigh it.
 
 Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling
 keeps the sampled distribution for any K.
@@ -32,49 +44,85 @@ ACCEPTANCE_PRIOR = (0.6, 0.5, 0.45)  # the embedded model's card; any prior is r
 
 
 class CostTable:
-    """Seconds by token (or row) count: moving averages at measured counts, linear in between."""
+    """Seconds by token (or row) count: `level` times a shape, linear between the counts known.
 
-    def __init__(self, alpha: float = 0.1):
-        self.alpha = alpha
-        self.points: dict[int, float] = {}
+    `calibrate(n, s)` sets the shape at n (the startup measurement). `observe(n, s)` takes a
+    running one. When a different count was observed among the last `contrast`
+    observations (a K switch or a probe: the level is today's), it corrects the shape at n
+    (how the costs of two counts compare while serving, which calibration cannot replay
+    exactly); otherwise it moves the level (a moving average of measured / shape, so one
+    count's timings move every estimate and the counts not in use do not go stale). A
+    count observed first joins the shape as measured."""
+
+    def __init__(self, alpha: float = 0.1, contrast: int = 4):
+        self.alpha, self.contrast = alpha, contrast
+        self.shape: dict[int, float] = {}
+        self.level = 1.0
+        self.observed = 0  # observations that moved the level
+        self._recent: list[int] = []  # the counts of the last `contrast` observations
+        self._contrasts: dict[int, int] = {}  # shape corrections by count
+
+    def calibrate(self, n: int, seconds: float) -> None:
+        self.shape[n] = seconds
 
     def observe(self, n: int, seconds: float) -> None:
-        old = self.points.get(n)
-        self.points[n] = seconds if old is None else old + self.alpha * (seconds - old)
+        if n not in self.shape:
+            self.shape[n] = seconds / self.level
+        elif any(m != n for m in self._recent):  # a contrast: the shape (the calibration weighs as one)
+            c = self._contrasts[n] = self._contrasts.get(n, 0) + 1
+            self.shape[n] += max(self.alpha, 1.0 / (c + 1)) * (seconds / self.level - self.shape[n])
+        else:  # the level: its first observations average plainly, then a moving average
+            self.observed += 1
+            self.level += max(self.alpha, 1.0 / self.observed) * (seconds / self.shape[n] - self.level)
+        self._recent = (self._recent + [n])[-self.contrast:]
+
+    @property
+    def points(self) -> dict[int, float]:
+        """The current estimates at the counts known."""
+        return {n: s * self.level for n, s in self.shape.items()}
 
     def __call__(self, n: float) -> float:
         """Estimated cost at count `n` (0 at n <= 0; extrapolated along the last segment)."""
-        if n <= 0 or not self.points:
-            return 0.0
-        xs = sorted(self.points)
-        if len(xs) == 1:
-            return self.points[xs[0]] * n / xs[0]
-        i = min(max(bisect_left(xs, n), 1), len(xs) - 1)
-        x0, x1 = xs[i - 1], xs[i]
-        y0, y1 = self.points[x0], self.points[x1]
-        return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
+        return _interp(self.shape, n) * self.level
+
+
+def _interp(points: dict[int, float], n: float) -> float:
+    if n <= 0 or not points:
+        return 0.0
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]] * n / xs[0]
+    i = min(max(bisect_left(xs, n), 1), len(xs) - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    y0, y1 = points[x0], points[x1]
+    return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
 class SpecPolicy:
     """Chooses K per step from step costs and the running acceptance (see module docstring)."""
 
-    def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR, prior_weight: float = 20.0,
-                 decay: float = 0.995, hysteresis: float = 0.03, probe_interval: int = 256, probe_steps: int = 8):
+    def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR, prior_weight: float = 4.0,
+                 decay: float = 0.995, hysteresis: float = 0.03, probe_interval: int = 256, probe_steps: int = 4,
+                 first_probe: int = 16, horizon: int = 32):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         self.max_k = max_k
         self.verify = CostTable()  # main-model dispatch + sampling/verification, by decode tokens
         self.draft = CostTable()  # one MTP dispatch, by rows
         self.overhead = 0.0  # the rest of an engine step (scheduling, detokenizing), seconds
+        self.draft_extra = 0.0  # a drafting step's MTP work outside its dispatches (bookkeeping), seconds
+        self.backlog_rows = 0  # pairs the MTP skipped at K = 0 and runs before drafting again (the runner's)
+        self.horizon = horizon  # steps a K > 0 chosen after K = 0 is expected to last (amortises the catch-up)
         p = [prior[min(i, len(prior) - 1)] for i in range(max_k)]
         self._tried = [prior_weight] * max_k  # decayed counts per depth
         self._accepted = [prior_weight * a for a in p]
         self.decay = decay
         self.hysteresis = hysteresis
         self.probe_interval, self.probe_steps = probe_interval, probe_steps
+        self._next_probe = first_probe  # steps at one K before the next probe (the first comes early)
         self.k = 1 if max_k >= 1 else 0  # the K in use
-        self._zero_run = 0  # consecutive steps at K = 0
-        self._probe_left = 0
+        self._run = 0  # consecutive steps at this K
+        self._probe_left = self._probe_k = self._probes = 0  # probe steps left, at K = _probe_k; probes so far
 
     # ---------------------------------------------------------------- observations
     def observe_verify(self, drafted: int, accepted: int) -> None:
@@ -87,6 +135,9 @@ class SpecPolicy:
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead += 0.1 * (seconds - self.overhead)
+
+    def observe_draft_extra(self, seconds: float) -> None:
+        self.draft_extra += 0.1 * (seconds - self.draft_extra)
 
     @property
     def acceptance(self) -> list[float]:
@@ -106,12 +157,15 @@ class SpecPolicy:
         """Estimated seconds of a decode step of `batch` requests drafting `k` tokens each."""
         cost = self.verify(batch * (1 + k)) + self.overhead
         if k > 0:
-            cost += self.draft(batch * self.expected_tokens(k)) + (k - 1) * self.draft(batch)
+            cost += self.draft(batch * self.expected_tokens(k)) + (k - 1) * self.draft(batch) + self.draft_extra
         return cost
 
     def throughput(self, batch: int, k: int) -> float:
-        """Estimated tokens per second at `batch` requests and K = k."""
+        """Estimated tokens per second at `batch` requests and K = k (a K > 0 after K = 0 pays
+        the MTP's catch-up over `backlog_rows`, spread over `horizon` steps)."""
         c = self.step_cost(batch, k)
+        if k > 0 and self.backlog_rows > 0:
+            c += self.draft(self.backlog_rows) / self.horizon
         return batch * self.expected_tokens(k) / c if c > 0 else 0.0
 
     def choose(self, batch: int) -> int:
@@ -122,15 +176,13 @@ class SpecPolicy:
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best != self.k and rates[best] < rates[self.k] * (1 + self.hysteresis):
             best = self.k  # not better by enough: keep the current K
-        if best == 0:
-            self._zero_run += 1
-            if self._probe_left == 0 and self._zero_run >= self.probe_interval:
-                self._probe_left, self._zero_run = self.probe_steps, 0
-            if self._probe_left > 0:
-                self._probe_left -= 1
-                self.k = 0  # the K the policy believes in stays 0; this step probes
-                return 1
-        else:
-            self._zero_run, self._probe_left = 0, 0
+        self._run = self._run + 1 if best == self.k else 1
+        if self._probe_left == 0 and self._run >= self._next_probe:
+            down = best == self.max_k or (best > 0 and self._probes % 2 == 0)  # K - 1 and K + 1 in turn
+            self._probe_k, self._probes = best - 1 if down else best + 1, self._probes + 1
+            self._probe_left, self._run, self._next_probe = self.probe_steps, 0, self.probe_interval
         self.k = best
+        if self._probe_left > 0:  # the K the policy believes in stays; this step probes
+            self._probe_left -= 1
+            return self._probe_k
         return best

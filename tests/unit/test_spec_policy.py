@@ -32,8 +32,43 @@ def test_cost_table_interpolates_and_extrapolates():
     assert t(2) == 2.0  # one point: proportional
     t.observe(4, 4.0)
     assert t(1) == 1.0 and t(2.5) == pytest.approx(2.5) and t(8) == pytest.approx(8.0) and t(0) == 0.0
-    t.observe(4, 6.0)  # a moving average, not a replacement
-    assert t.points[4] == pytest.approx(4.2)
+    t.observe(4, 6.0)  # right after count 1, a contrast: the shape at 4 averages with it, the level stays
+    assert t.shape[4] == pytest.approx(5.0) and t.level == 1.0 and t.points[4] == pytest.approx(5.0)
+    for _ in range(40):
+        t.observe(1, 1.0)
+        t.observe(4, 6.0)
+    assert t.shape[4] / t.shape[1] == pytest.approx(6.0, rel=0.02)  # then moving averages
+
+
+def test_one_count_moves_every_estimate():
+    # calibrated at 1, 2 and 4; serving runs 25% slower and only ever at count 2
+    t = CostTable()
+    for n, s in ((1, 6.0), (2, 8.0), (4, 12.0)):
+        t.calibrate(n, s * MS)
+    for _ in range(50):
+        t.observe(2, 10.0 * MS)
+    assert t.level == pytest.approx(1.25)
+    assert t(1) == pytest.approx(7.5 * MS) and t(4) == pytest.approx(15.0 * MS)  # not left at calibration
+    assert t.shape == {1: 6.0 * MS, 2: 8.0 * MS, 4: 12.0 * MS}  # no contrast: the shape is kept
+
+
+def test_contrasts_correct_the_shape_and_not_drift():
+    # calibration says a 2-token verify costs 1.2x a 1-token one; serving shows 1.5x
+    t = CostTable()
+    t.calibrate(1, 6.0 * MS)
+    t.calibrate(2, 7.2 * MS)
+    for rep in range(30):  # alternating runs of 8 observations at 1 (6 ms) and at 2 (9 ms)
+        for n, s in ((1, 6.0), (2, 9.0)):
+            for _ in range(8):
+                t.observe(n, s * MS)
+    assert t(2) / t(1) == pytest.approx(1.5, rel=0.03)
+    # the machine then gets 30% slower while only count 2 runs: the level follows, the shape stays
+    shape = dict(t.shape)
+    for _ in range(100):
+        t.observe(2, 9.0 * 1.3 * MS)
+    assert t(2) == pytest.approx(9.0 * 1.3 * MS, rel=0.01)
+    assert t(2) / t(1) == pytest.approx(1.5, rel=0.03)
+    assert t.shape[2] == pytest.approx(shape[2], rel=0.02)
 
 
 def test_cpu_like_costs_choose_no_drafts():
@@ -85,8 +120,74 @@ def test_hysteresis_keeps_the_current_k_on_near_ties():
     assert p.choose(1) == 1
 
 
+def test_stale_costs_do_not_make_auto_flap():
+    # CPU-like: K = 1 pays 5% over K = 0. Calibrated at level 1, serving runs at level 1.4 and
+    # times only the K in use: the K not in use must not look cheaper for being stale.
+    verify, draft = (lambda n: 6 * MS * (1 + 0.35 * (n - 1))), (lambda n: 1.0 * MS)
+    p = SpecPolicy(3, prior=(0.7, 0.5, 0.45), prior_weight=1e6, probe_interval=10**9, first_probe=10**9)
+    for n in (1, 2, 4, 8):
+        p.verify.calibrate(n, verify(n))
+        p.draft.calibrate(n, draft(n))
+    ks = []
+    for _ in range(200):
+        k = p.choose(1)
+        ks.append(k)
+        p.verify.observe(1 + k, 1.4 * verify(1 + k))
+        if k:
+            p.draft.observe(1, 1.4 * draft(1))
+    assert p.throughput(1, 1) > 1.03 * p.throughput(1, 0)
+    assert set(ks) == {1}
+
+
+def test_a_calibration_that_undercounts_tokens_is_corrected_by_probes():
+    # the calibration sees half the cost of each extra verified token (identical tokens route
+    # to the same experts), serving runs at 1.4x its level: per-count averages flapped to
+    # K = 2, 3 and 0 here; now K stays at the best, 1, but for the probes, which teach the shape
+    cal, draft = (lambda n: 6 * MS * (1 + 0.175 * (n - 1))), (lambda n: 1.0 * MS)
+    serve = lambda n: 1.4 * 6 * MS * (1 + 0.35 * (n - 1))  # noqa: E731
+    p = SpecPolicy(3, prior=(0.7, 0.5, 0.45), prior_weight=1e6, first_probe=16, probe_interval=64, probe_steps=4)
+    for n in (1, 2, 4, 8):
+        p.verify.calibrate(n, cal(n))
+        p.draft.calibrate(n, draft(n))
+    ks, prev = [], p.k
+    for _ in range(300):
+        k = p.choose(1)
+        ks.append(k)
+        p.verify.observe(1 + prev, serve(1 + prev))  # a step verifies the drafts of the step before
+        if k:
+            p.draft.observe(1, 1.4 * draft(1))
+        prev = k
+    probes = [i for i, k in enumerate(ks) if k != 1]
+    assert len(probes) == 4 * 5 and probes[:4] == [15, 16, 17, 18] and set(ks) == {0, 1, 2}
+    assert p.verify(2) / p.verify(1) == pytest.approx(1.35, rel=0.02)  # learned from the probes' contrasts
+    assert p.verify(3) / p.verify(2) == pytest.approx(1.7 / 1.35, rel=0.05)
+
+
+def test_catch_up_is_amortised_when_drafting_restarts():
+    # K = 1 is 4% better per step, but restarting it first catches the MTP up over 128 pairs
+    p = _policy(lambda n: 6 * MS * (1 + 0.45 * (n - 1)), lambda n: 0.5 * MS * (1 + n / 16), (0.6,), max_k=1,
+                probe_interval=10**9, first_probe=10**9)
+    p.k = 0
+    assert p.throughput(1, 1) > 1.03 * p.throughput(1, 0)
+    p.backlog_rows = 128  # 4.5 ms of MTP catch-up, over 32 steps: gone
+    assert p.choose(1) == 0
+    p.backlog_rows = 4
+    assert p.choose(1) == 1
+
+
+def test_probes_the_neighbours_after_a_long_run():
+    # the first probe comes early (a fresh engine learns its costs), then every probe_interval steps
+    p = _policy(lambda n: 6 * MS * (1 + 0.3 * (n - 1)), lambda n: 0.5 * MS, (0.7, 0.5, 0.45),
+                probe_interval=10, probe_steps=2, first_probe=4)
+    ks = [p.choose(1) for _ in range(19)]
+    best = ks[0]
+    assert 0 < best < 3 and ks == [best] * 3 + [best - 1] * 2 + [best] * 8 + [best + 1] * 2 + [best] * 4
+    assert p.k == best
+
+
 def test_probes_k1_after_a_long_run_at_zero():
-    p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, probe_interval=10, probe_steps=3)
+    p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, probe_interval=10, probe_steps=3,
+                first_probe=10)
     ks = [p.choose(1) for _ in range(30)]
     assert ks[:9] == [0] * 9 and ks[9:12] == [1, 1, 1] and ks[12:19] == [0] * 7 and ks[19:22] == [1, 1, 1]
     assert p.k == 0  # probing does not change the K the policy believes in
