@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install dsv4 into it with the CPU build of torch.
 #   scripts/venv.sh [EXTRAS]     e.g. scripts/venv.sh http (what ./dsv4.sh installs: serve --http),
-#                                     scripts/venv.sh test (what ./test.sh installs: http included)
+#                                     scripts/venv.sh test (what ./test.sh installs: http and structured included),
+#                                     scripts/venv.sh http,structured (structured outputs)
 # DSV4_VENV names another environment directory (default .venv, relative to the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,9 +12,19 @@ stamp="$VENV/.dsv4-installed${extras:+-$extras}"
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
+pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 | grep -v "^WARNING: Location" || true; }
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU build of torch; the package itself accepts any torch>=2.4 (CUDA, NPU).
-  "$VENV/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" 2>&1 | grep -v "^WARNING: Location" || true
-  "$VENV/bin/pip" install -q --disable-pip-version-check -e ".${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" || true
+  pip_q "torch==2.13.0"
+  # structured (and test): xgrammar without its declared dependencies, which include triton, a
+  # GPU compiler of several hundred MB it does not need (dsv4 applies its masks with torch);
+  # what it imports (numpy, pydantic, transformers, typing-extensions, torch) is installed normally.
+  pip_extras=$(echo ",$extras," | sed -e 's/,structured,/,/g' -e 's/^,*//' -e 's/,*$//')
+  case ",$extras," in
+    *,test,*|*,structured,*)
+      pip_q "pydantic>=2" "transformers>=4.40"
+      pip_q --no-deps "xgrammar>=0.2.9" "apache-tvm-ffi" ;;
+  esac
+  pip_q -e ".${pip_extras:+[$pip_extras]}"
   "$VENV/bin/python" -c "import dsv4, torch" && touch "$stamp"
 fi

@@ -31,7 +31,9 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec_policy import SpecPolicy
 from .stop import StopChecker
-from .tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, TokenizerMissing
+from .grammar import Grammars
+from .tokenizer import THINK_END_TOKEN, THINK_START_TOKEN, IncrementalDetokenizer, Tokenizer, TokenizerError, \
+    TokenizerMissing
 
 log = logging.getLogger("dsv4.engine")
 
@@ -146,6 +148,12 @@ class Engine:
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
+        tok = self.tokenizer  # structured outputs: xgrammar over this vocabulary, built at the first use
+        self.grammars = Grammars(tok, config.model_config.vocab_size,
+                                 self.scheduler.eos_token_id if self.scheduler.eos_token_id is not None
+                                 else (tok.eos_id if tok is not None else None),
+                                 think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
+                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -164,6 +172,9 @@ class Engine:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, client=client)
+        if params.structured is not None:  # compiled (or refused) before it queues
+            params.validate(self.scheduler.vocab_size)
+            req.grammar = self.grammars.state(params.structured, ids)
         self.scheduler.add(req)  # validates; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop)),

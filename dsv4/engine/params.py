@@ -46,6 +46,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # token id -> added to its logit before penalties (-100..100); keys may arrive as decimal strings
     logit_bias: dict[int, float] | None = None
+    # None = free text; {kind: value}, kind one of json_schema (a schema), json_object (true), regex,
+    # choice (strings), ebnf: the output follows that grammar (`grammar.py`; after </think> in thinking mode)
+    structured: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # JSON and msgpack maps from clients have string keys
@@ -117,6 +120,10 @@ class SamplingParams:
                 if v > MAX_LOGPROBS:
                     raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
         _check_bias(self.logit_bias, vocab_size)
+        if self.structured is not None:
+            from dsv4.engine.grammar import check_spec
+
+            check_spec(self.structured)
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")

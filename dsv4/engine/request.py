@@ -54,6 +54,7 @@ class Request:
     slot: int | None = None
     num_spec: int = 0  # K for this request: 0 when params.speculative is False
     finish_reason: str | None = None
+    grammar: Any = None  # a `grammar.GrammarState` when the output is constrained (rank 0)
     # Scheduler bookkeeping.
     num_scheduled_tokens: int = 0  # tokens given to this request by the latest schedule()
     last_scheduled_step: int = -1

@@ -185,9 +185,10 @@ class Scheduler:
         request.finish_reason = FINISH_STOP
 
     def is_stop_token(self, request: Request, t: int) -> bool:
-        """Whether output token `t` ends the request (EOS unless ignored, or a stop token id)."""
+        """Whether output token `t` ends the request (EOS unless ignored, or a stop token id).
+        A structured output ends at EOS whatever ignore_eos says: it is its grammar's end."""
         p = request.params
-        return (t == self.eos_token_id and not p.ignore_eos) or t in p.stop_token_ids
+        return (t == self.eos_token_id and (not p.ignore_eos or p.structured is not None)) or t in p.stop_token_ids
 
     def abort(self, request_id: Any) -> Request | None:
         """Cancel a live request; returns it, or None if no live request has that id."""

@@ -10,6 +10,12 @@ drafts would emit: greedy and seeded rows accept the drafts equal to the target'
 choice (its argmax, or its keyed draw: `keyed_sample`), so their output does not depend
 on K; unseeded sampled rows use rejection sampling (`verify_sampled`).
 
+Structured outputs (`grammar.py`): the rows of a request with a grammar are masked first
+(-inf where the grammar forbids), row j with the matcher advanced over drafts 0..j-1, so a
+draft the grammar forbids has target probability 0 and is rejected, and what is accepted is
+what a run without drafts would emit; the matcher then takes the emitted tokens. Requests
+without one cost nothing.
+
 Logprobs (`logprobs.py`): token j of a result comes from row j of its request's rows,
 so its logprob is that row's processed log-probability at it, whether it was an accepted
 draft, a correction or a bonus token.
@@ -22,6 +28,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from .grammar import apply_masks, new_bitmask
 from .logprobs import TokenLogprob, gather
 from .sampling import adjust_logits, keyed_sample, logits_to_probs, processed_logprobs, sample, verify_greedy, \
     verify_sampled
@@ -74,6 +81,9 @@ def sample_verify(samples: Sequence[Sample], logits: torch.Tensor,
     """The step's results by slot (module docstring); `draft_q`: slot -> the draft
     distributions [k, V] of an unseeded sampled request."""
     results: dict[int, StepResult] = {}
+    constrained = [s for s in samples if s[0].grammar is not None]
+    if constrained:
+        logits = grammar_rows(logits, constrained)
     adjusted, probs = target_rows(logits, samples)
     top = probs.argmax(dim=-1).tolist() if probs.numel() else []  # what greedy rows take
     for req, lo, n, drafts in samples:
@@ -97,8 +107,21 @@ def sample_verify(samples: Sequence[Sample], logits: torch.Tensor,
             continue
         acc, toks = verify_greedy(target, drafts)
         results[req.slot] = StepResult(toks, len(drafts), acc, ["draft"] * acc + ["target"])
+    for req, *_ in constrained:
+        req.grammar.commit(results[req.slot].tokens)
     attach_logprobs(samples, adjusted, results)
     return results
+
+
+def grammar_rows(logits: torch.Tensor, samples: Sequence[Sample]) -> torch.Tensor:
+    """`logits` with each constrained row masked by its request's grammar (module docstring)."""
+    rows, masks = [], []
+    for req, lo, n, drafts in samples:
+        bm = new_bitmask(n, logits.shape[-1])
+        live = req.grammar.masks(drafts or [], bm)
+        rows.extend(lo + j for j in range(n) if live[j])
+        masks.extend(bm[j] for j in range(n) if live[j])
+    return apply_masks(logits, rows, torch.stack(masks)) if rows else logits
 
 
 def attach_logprobs(samples: Sequence[Sample], adjusted: torch.Tensor, results: dict[int, StepResult]) -> None:

@@ -1,0 +1,228 @@
+"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, EBNF)
+compiled by xgrammar into per-token masks, kept exact under MTP speculative decoding.
+
+* `check_spec(spec)`: the shape of `SamplingParams.structured` (one of `json_schema`,
+  `json_object`, `regex`, `choice`, `ebnf`; at most `MAX_SPEC_BYTES` of JSON), no xgrammar needed.
+  JSON schemas compile without free whitespace (`, ` and `: ` separators, no newlines: a model
+  cannot pad forever); `json_object` is any object, whitespace free.
+* `Grammars` (one per engine): xgrammar's `TokenizerInfo` built once, lazily, from the
+  tokenizer's vocabulary (each id's bytes, `Tokenizer.token_bytes`: byte-level BPE
+  strings mapped back to bytes; added tokens and the ids past the tokenizer's vocabulary
+  are special, never allowed by a grammar), EOS as its stop token; compiled grammars in a
+  small LRU keyed by the spec. `Grammars.state(spec, thinking)` -> a `GrammarState`.
+* `GrammarState` (one per request, on rank 0): `masks(drafts)` gives the bitmask of every
+  verified row: row j's after accepting drafts 0..j-1 into the matcher, then rolled back;
+  a draft the grammar refuses leaves the rows after it unconstrained (verification stops
+  at it: its own row's mask forbids it). `commit(tokens)` accepts what the step emitted.
+  In thinking mode (the prompt ends in `<think>`) nothing is constrained until the model
+  has written `</think>`; the rows after it are.
+* `apply_masks(logits, rows, bitmask)`: logits of the constrained rows set to -inf where
+  the mask forbids; any device (the bits unpack with torch, no xgrammar kernel).
+
+The grammar's only stop token is EOS: once the answer is complete only EOS is allowed, and
+the scheduler ends a constrained request at EOS even under `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .errors import RequestError
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: `check_spec` runs in params.py, without torch
+    import torch
+
+    from .tokenizer import Tokenizer
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
+MAX_SPEC_BYTES = 64 << 10  # a spec's JSON: larger schemas are refused
+MAX_CHOICES = 1024
+CACHE_SIZE = 32  # compiled grammars kept (LRU)
+INSTALL_HINT = "pip install xgrammar (dsv4's 'structured' extra)"
+
+
+def check_spec(spec: Any) -> None:
+    """Raise `RequestError` unless `spec` is {kind: value} with one kind of `KINDS`."""
+    if not isinstance(spec, dict) or len(spec) != 1:
+        raise RequestError(f"structured must be a map with one of {', '.join(KINDS)}, got {_short(spec)}")
+    (kind, value), = spec.items()
+    if kind not in KINDS:
+        raise RequestError(f"structured: unknown kind {_short(kind)} (expected one of {', '.join(KINDS)})")
+    try:
+        size = len(json.dumps(value, ensure_ascii=False).encode("utf-8", "surrogatepass"))
+    except (TypeError, ValueError) as e:
+        raise RequestError(f"structured {kind}: not JSON data: {e}") from None
+    if size > MAX_SPEC_BYTES:
+        raise RequestError(f"structured {kind} is {size} bytes, over the limit of {MAX_SPEC_BYTES}")
+    if kind == "json_schema" and not isinstance(value, (dict, str, bool)):
+        raise RequestError(f"structured json_schema must be a JSON schema (an object), got {_short(value)}")
+    if kind == "json_object" and value is not True:
+        raise RequestError(f"structured json_object must be true, got {_short(value)}")
+    if kind in ("regex", "ebnf") and (not isinstance(value, str) or not value):
+        raise RequestError(f"structured {kind} must be a non-empty string, got {_short(value)}")
+    if kind == "choice":
+        if (not isinstance(value, list) or not value or len(value) > MAX_CHOICES
+                or not all(isinstance(c, str) and c for c in value)):
+            raise RequestError(f"structured choice must be a list of 1..{MAX_CHOICES} non-empty strings, "
+                               f"got {_short(value)}")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def available() -> bool:
+    """Whether xgrammar imports."""
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choice_ebnf(choices: Sequence[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class Grammars:
+    """The engine's grammar compiler over its tokenizer's vocabulary (module docstring)."""
+
+    def __init__(self, tokenizer: "Tokenizer | None", vocab_size: int, eos_id: int | None,
+                 think_start: int | None = None, think_end: int | None = None) -> None:
+        self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
+        self.think_start, self.think_end = think_start, think_end
+        self._compiler: Any = None
+        self._cache: OrderedDict[str, Any] = OrderedDict()
+
+    def _get_compiler(self) -> Any:
+        if self._compiler is not None:
+            return self._compiler
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise RequestError(f"structured outputs need xgrammar, which is not installed: {INSTALL_HINT}") \
+                from None
+        tok = self.tokenizer
+        if tok is None:
+            raise RequestError("structured outputs need a tokenizer; this model has no tokenizer.json")
+        special = set(tok.added_token_ids())
+        n = min(tok.vocab_size, self.vocab_size)
+        vocab = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
+        vocab += [b""] * (self.vocab_size - n)
+        stop = [self.eos_id] if self.eos_id is not None else None
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stop)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+        return self._compiler
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """The xgrammar `CompiledGrammar` of a checked spec (cached); a grammar that does not
+        compile raises `RequestError` (one line)."""
+        key = json.dumps(spec, sort_keys=True, ensure_ascii=False)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        comp = self._get_compiler()
+        (kind, value), = spec.items()
+        try:
+            if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
+                g = comp.compile_json_schema('{"type": "object"}', any_whitespace=True, strict_mode=False)
+            elif kind == "json_schema":
+                schema = value if isinstance(value, str) else json.dumps(value)
+                g = comp.compile_json_schema(schema, any_whitespace=False, strict_mode=True)
+            elif kind == "regex":
+                g = comp.compile_regex(value)
+            elif kind == "choice":
+                g = comp.compile_grammar(choice_ebnf(value))
+            else:
+                g = comp.compile_grammar(value)
+        except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError/ValueError/its own types)
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise RequestError(f"structured {kind}: cannot compile: {msg[:300]}") from None
+        self._cache[key] = g
+        if len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return g
+
+    def state(self, spec: dict[str, Any], prompt_ids: Sequence[int]) -> "GrammarState":
+        """A fresh matcher for a request; it starts unconstrained when the prompt ends in `<think>`."""
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compile(spec))
+        thinking = self.think_start is not None and bool(prompt_ids) and prompt_ids[-1] == self.think_start
+        return GrammarState(matcher, self.vocab_size, active=not thinking, think_end=self.think_end)
+
+
+class GrammarState:
+    """One request's matcher and its thinking switch (module docstring)."""
+
+    def __init__(self, matcher: Any, vocab_size: int, *, active: bool = True, think_end: int | None = None) -> None:
+        self.matcher, self.vocab_size = matcher, vocab_size
+        self.active = active  # False until </think> in thinking mode
+        self.think_end = think_end
+
+    @property
+    def terminated(self) -> bool:
+        return bool(self.matcher.is_terminated())
+
+    def masks(self, drafts: Sequence[int], out: torch.Tensor) -> list[bool]:
+        """Fill `out` [len(drafts) + 1, words] int32 with the bitmask of each verified row
+        (row j: after drafts 0..j-1); returns which rows are constrained. The matcher ends
+        where it began."""
+        m, active, dead, accepted = self.matcher, self.active, False, 0
+        rows = []
+        for j in range(len(drafts) + 1):
+            live = active and not dead and not m.is_terminated()
+            if live:
+                m.fill_next_token_bitmask(out, j)
+            rows.append(live)
+            if j < len(drafts):
+                d = int(drafts[j])
+                if live:
+                    if m.accept_token(d):
+                        accepted += 1
+                    else:
+                        dead = True  # row j forbids d: verification stops there
+                elif not active and d == self.think_end:
+                    active = True
+        if accepted:
+            m.rollback(accepted)
+        return rows
+
+    def commit(self, tokens: Sequence[int]) -> None:
+        """Accept the tokens a step emitted (after `</think>` in thinking mode)."""
+        for t in tokens:
+            if not self.active:
+                self.active = int(t) == self.think_end
+                continue
+            if self.matcher.is_terminated():
+                return
+            self.matcher.accept_token(int(t))
+
+
+def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
+    """`logits` [R, V] with row rows[i] limited to the tokens bitmask[i] allows (-inf
+    elsewhere): a new tensor, `logits` itself when `rows` is empty."""
+    if not rows:
+        return logits
+    import torch
+
+    v = logits.shape[-1]
+    dev = logits.device
+    bm = bitmask.to(dev, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    allowed = ((bm.unsqueeze(-1) >> shifts) & 1).bool().reshape(bm.shape[0], -1)[:, :v]  # [n, V]
+    idx = torch.tensor(list(rows), dtype=torch.long, device=dev)
+    out = logits.clone()
+    out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+def new_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 bitmask of `rows` rows over `vocab_size` tokens, every token allowed."""
+    import torch
+
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)

@@ -1,0 +1,44 @@
+"""grammar.py without a model: spec checks, the install hint without xgrammar, choice grammars,
+masks applied to logits (any row subset), the matcher walk over drafts."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dsv4.engine.errors import RequestError
+from dsv4.engine.grammar import Grammars, apply_masks, check_spec, new_bitmask
+from dsv4.engine.params import SamplingParams
+
+
+@pytest.mark.parametrize("spec", [{"json_schema": {"type": "object"}}, {"json_object": True}, {"regex": "a+"},
+                                  {"choice": ["a", "b"]}, {"ebnf": 'root ::= "x"'}])
+def test_good_specs(spec):
+    SamplingParams(structured=spec).validate()
+
+
+@pytest.mark.parametrize("spec", [{}, {"regex": ""}, {"json_object": False}, {"choice": ["a", 3]}, "regex",
+                                  {"xml": "x"}, {"json_schema": 3}, {"ebnf": "x" * (70 << 10)}])
+def test_bad_specs(spec):
+    with pytest.raises(RequestError) as e:
+        check_spec(spec)
+    assert "\n" not in str(e.value)
+
+
+def test_without_xgrammar_the_error_names_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
+    with pytest.raises(RequestError, match="pip install xgrammar"):
+        Grammars(None, 8, 1).compile({"regex": "a"})
+
+
+def test_apply_masks_limits_only_the_given_rows():
+    logits = torch.zeros(3, 40)
+    bm = new_bitmask(1, 40)
+    bm[0, 0] = 0b101  # tokens 0 and 2 of the first word
+    bm[0, 1] = 1 << 3  # token 35
+    out = apply_masks(logits, [1], bm)
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 2, 35]
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all() and torch.isfinite(logits).all()
+    assert apply_masks(logits, [], bm) is logits
