@@ -40,7 +40,7 @@ KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 MAX_SPEC_BYTES = 64 << 10  # a spec's JSON: larger schemas are refused
 MAX_CHOICES = 1024
 CACHE_SIZE = 32  # compiled grammars kept (LRU)
-INSTALL_HINT = "pip install xgrammar (dsv4's 'structured' extra)"
+INSTALL_HINT = "scripts/venv.sh http,structured, or pip install 'dsv4[structured]'"
 
 
 def check_spec(spec: Any) -> None:

@@ -7,11 +7,12 @@ in the daemon, whose error becomes a 400 too.
 
 Nothing is silently ignored: an OpenAI field (or a well-known vLLM extension) that would
 change the answer and that dsv4 does not implement gets a 400 naming it (`REFUSED`),
-unless its value changes nothing (`response_format: {"type": "text"}`, `n: 1`, ...).
-Honoured: `logprobs` / `top_logprobs` (chat, 0..20), integer `logprobs` (completions, 0..5)
-and `echo` (completions: the prompt's logprobs too, from the engine's `prompt_logprobs`;
-`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the
-reply shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`,
+unless its value changes nothing (`n: 1`, ...).
+Honoured: structured outputs (`response_format` json_object / json_schema, vLLM's
+`structured_outputs` and `guided_*`: `dsv4.http.structured`; after `</think>` in thinking
+mode), `logprobs` / `top_logprobs` (chat, 0..20), integer `logprobs` (completions, 0..5) and
+`echo` (completions: the prompt's logprobs too, from the engine's `prompt_logprobs`;
+`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the reply shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`,
 `metadata`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools)
 and unknown vendor fields are ignored, as OpenAI ignores what it does not know.
 
@@ -35,6 +36,8 @@ from typing import Any, Callable
 from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, check_tools, encode_messages, \
     thinking_mode
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
+from dsv4.http.errors import ApiError
+from dsv4.http.structured import structured_of
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -46,8 +49,6 @@ _NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731
 
 # field -> (is its value a no-op?, the reason it is refused otherwise)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "response_format": (lambda v: v == {"type": "text"},
-                        'response_format is not supported by this server (only {"type": "text"}, plain text)'),
     "top_logprobs": (lambda v: v == 0, "top_logprobs is for /v1/chat/completions; completions take an integer "
                                        "logprobs"),
     "n": (lambda v: v == 1 and not isinstance(v, bool), "only n = 1 is supported"),
@@ -75,26 +76,7 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "allowed_token_ids": (_NEVER, "allowed_token_ids is not supported by this server"),
     "bad_words": (lambda v: v == [], "bad_words is not supported by this server"),
     "logits_processors": (lambda v: v == [], "logits_processors are not supported by this server"),
-    **{name: (_NEVER, f"{name} (structured output) is not supported by this server")
-       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")},
 }
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, etype: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.etype = etype or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                               413: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.etype, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -162,6 +144,8 @@ def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[
         if stop:
             params["stop"] = stop
     refuse_unsupported(body, honoured)
+    if (spec := structured_of(body)) is not None:  # response_format, structured_outputs, guided_*
+        params["structured"] = spec
     bias = logit_bias_of(body)
     if bias:
         params["logit_bias"] = bias
@@ -341,8 +325,10 @@ def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
         functions = check_tools(body.get("tools"))
         choice = check_tool_choice(body.get("tool_choice"), functions)
         if tokenizer is not None and tokenizer.has_chat_tokens:
+            rf = body.get("response_format")  # rendered as DeepSeek's encoder does; the grammar enforces it
             options = ChatOptions(thinking=thinking, reasoning_effort=body.get("reasoning_effort"),
-                                  tools=functions and body["tools"], tool_choice=body.get("tool_choice"))
+                                  tools=functions and body["tools"], tool_choice=body.get("tool_choice"),
+                                  response_format=rf if isinstance(rf, dict) and rf.get("type") != "text" else None)
             return Chat(encode_messages(tokenizer, msgs, options), thinking, choice)
     except EncodingError as e:
         raise _bad(str(e), e.param) from None
