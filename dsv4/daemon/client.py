@@ -143,6 +143,7 @@ class Client:
         """Send one request and wait for the reply with its id; keeps other messages for later.
         The requests sent this way (ping, status, shutdown, cancel) may be repeated: one lost on
         a dropped connection goes again (ZeroMQ queues it until the daemon accepts again)."""
+        self._dropped()  # a drop before this request (reconnected since) did not lose it
         self.send(req.to_wire())
         deadline = time.monotonic() + timeout_s
         held = []
@@ -233,6 +234,7 @@ class Client:
                  request_id: str | None = None) -> str:
         """Submit a generate request; returns its id. Replies come through `recv` / `stream`."""
         rid = request_id or new_id()
+        self._dropped()  # a drop before this request (reconnected since) did not lose it
         self.send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
                              params=params, pieces=pieces).to_wire())
         return rid

@@ -96,7 +96,8 @@ def draft_linear(x: torch.Tensor, head: dict[str, torch.Tensor]) -> torch.Tensor
     head), so the fastest int8 kernel serves: on CPU with bfloat16 x and few rows,
     `torch._weight_int8pack_mm` (int8 weight, bf16 activations: the head at 24 GB/s where
     `_int_mm` reads it at 12, measured with 2 threads, V4 Flash's 129280 x 4096); else W8A8."""
-    if x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DRAFT_PACKED_MAX_ROWS:
+    if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DRAFT_PACKED_MAX_ROWS
+            and x.shape[1] % 16 == 0):  # torch 2.13's kernel: NaN or a crash for other widths (e.g. 24, 17)
         return torch.ops.aten._weight_int8pack_mm(x, head["weight"], head["scale_bf16"])
     return w8a8_linear(x, head["weight"], head["scale"])
 

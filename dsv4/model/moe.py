@@ -241,11 +241,13 @@ def routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch
     scales: the same bits as quantising it per expert) and each (token, expert) row of the
     SwiGLU output once, as the expert's w2 does."""
     quant = "s13" in st
-    if quant:
+    if quant and x.device.type in ("cpu", "cuda"):
         xq, xs = kernels.quantize_tokens(x)  # [T, D] int8, [T, 1]
     for e, t, w in _groups(idx, weights, lo, st["w13"].shape[0], n_experts):
         xe = x if t is None else x[t]  # [c, D]
-        if quant:  # w8a8_linear's arithmetic on the rows quantised above
+        if quant and x.device.type not in ("cpu", "cuda"):  # npu: its own fused quantise + matmul
+            gu = kernels.w8a8_linear(xe, st["w13"][e], st["s13"][e])
+        elif quant:  # w8a8_linear's arithmetic on the rows quantised above
             xe_q, xe_s = (xq, xs) if t is None else (xq[t], xs[t])
             gu = (kernels.int_mm(xe_q, st["w13"][e]).float() * xe_s * st["s13"][e]).to(x.dtype)
         else:

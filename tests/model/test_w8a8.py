@@ -227,14 +227,15 @@ def test_w8a8_drafts_through_an_int8_head_and_verifies_through_the_exact_one(tmp
     assert rel < 0.05, rel
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5])
-def test_draft_head_kernel_is_the_int8_head(rows):
+@pytest.mark.parametrize("rows,width", [(1, 64), (4, 64), (5, 64), (1, 24), (1, 17)])
+def test_draft_head_kernel_is_the_int8_head(rows, width):
     """`kernels.draft_linear`: bf16 drafts of few rows through int8 weight-only mm, others
-    W8A8; both are the int8 head (to the rounding of bf16 activations / int8 ones)."""
-    w = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    W8A8 (and widths that are not a multiple of 16, where torch's kernel gives NaN or
+    crashes); both are the int8 head (to the rounding of bf16 activations / int8 ones)."""
+    w = torch.randn(300, width, generator=torch.Generator().manual_seed(0))
     q, s = kernels.quantize_rows(w)
     head = {"weight": q, "scale": s, "scale_bf16": s.to(torch.bfloat16)}
-    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     exact = x.float() @ (q.float() * s[:, None]).t()  # the int8 head on the bf16 activations
     got = kernels.draft_linear(x, head)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)

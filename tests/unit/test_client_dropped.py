@@ -18,7 +18,8 @@ from dsv4.daemon.client import Client, DaemonDropped
 
 def _serve(ep: str, script: list[str], seen: list[dict]) -> threading.Thread:
     """A ROUTER on `ep` that, for each message received, follows the next `script` step:
-    "drop" unbinds (dropping the connection) and binds again 0.3 s later, "answer" replies."""
+    "drop" unbinds (dropping the connection) and binds again 0.3 s later, "answer" replies,
+    "answer+drop" replies and then drops the idle connection, "final" ends a generate."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -32,12 +33,15 @@ def _serve(ep: str, script: list[str], seen: list[dict]) -> threading.Thread:
                 ident, frame = router.recv_multipart()
                 msg = msgpack.unpackb(frame, raw=False)
                 seen.append(msg)
-                if step == "drop":
+                if step == "final":
+                    router.send_multipart([ident, P.encode(P._reply("final", msg["id"], finish_reason="stop"))])
+                elif step != "drop":  # "answer", or "answer+drop": answer, then drop the idle connection
+                    router.send_multipart([ident, P.encode(P._reply(msg["type"], msg["id"], status={"ok": 1}))])
+                    time.sleep(0.2)
+                if step in ("drop", "answer+drop"):
                     router.unbind(ep)
                     time.sleep(0.3)
                     router.bind(ep)
-                else:
-                    router.send_multipart([ident, P.encode(P._reply(msg["type"], msg["id"], status={"ok": 1}))])
         finally:
             router.close(0)
 
@@ -66,3 +70,18 @@ def test_a_stream_on_a_dropped_connection_ends_with_the_reason(tmp_path: Path) -
                 pass
     t.join(5)
     assert [m["type"] for m in seen] == ["generate"]
+
+
+def test_a_drop_between_requests_loses_nothing(tmp_path: Path) -> None:
+    """A connection dropped while idle (and made again) is not taken for a lost request:
+    the next generate streams to its end."""
+    ep, seen = f"ipc://{tmp_path}/d.sock", []
+    t = _serve(ep, ["answer+drop", "final"], seen)
+    with Client(ep, api_key="") as c:
+        assert c.status(timeout_s=10) == {"ok": 1}
+        time.sleep(1.0)  # the drop and the reconnection happen while nothing is in flight
+        rid = c.generate("Hello", {"max_tokens": 4})
+        msgs = list(c.stream(rid, deadline=time.monotonic() + 20))
+    t.join(5)
+    assert [m["type"] for m in msgs] == ["final"]
+    assert [m["type"] for m in seen] == ["status", "generate"]
