@@ -14,7 +14,8 @@ One `execute(plan)` call runs a scheduler step:
    speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
    drafts (each chosen by `drafting.propose`: the argmax for greedy requests, a draw from
    the MTP's processed distribution for sampled ones; under tensor parallelism rank 0's
-   choices feed the deeper dispatches when the step has sampled requests). During
+   choices feed the deeper dispatches when the step has sampled requests, or constrained
+   ones: their drafts are masked by their grammar, `grammar.draft_masks`). During
    prefill, pairs use the next *prompt* token; the last row of a
    non-final chunk is the pending row, kept until the next chunk (or the first
    sampled token) completes it. Drafts written into the MTP cache past the
@@ -47,6 +48,7 @@ from ..model import parallel
 from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .drafting import propose
+from .grammar import draft_masks
 from .plan import broadcast, plan_message
 from .request import Request
 from .logprobs import TokenLogprob
@@ -139,7 +141,7 @@ class Runner:
         if parallel.world_size() > 1 and parallel.rank() == 0:
             # drafts other than the plain argmax (sampled, biased, penalised): rank 0's are sent
             self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy or r.params.adjusted
-                                                         for r, *_ in prefills + decodes)
+                                                         or r.grammar is not None for r, *_ in prefills + decodes)
             broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts))
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
@@ -237,6 +239,8 @@ class Runner:
         step's tokens, with the drafts before it counted as output (`drafting.propose`)."""
         t = time.perf_counter()
         z, logits = self._mtp_forward(batch, hid, head_idx)
+        if any(r.grammar is not None for r in heads):  # structured outputs: drafts the grammar allows
+            logits = draft_masks(logits, heads, drafts)
         outs = [[] if r.params.greedy and not r.params.penalized else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
                 for r in heads]  # greedy drafts read neither history nor position
         pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]

@@ -115,13 +115,12 @@ def sample_verify(samples: Sequence[Sample], logits: torch.Tensor,
 
 def grammar_rows(logits: torch.Tensor, samples: Sequence[Sample]) -> torch.Tensor:
     """`logits` with each constrained row masked by its request's grammar (module docstring)."""
-    rows, masks = [], []
+    rows: list[int] = []
+    bm = new_bitmask(logits.shape[0], logits.shape[-1])
     for req, lo, n, drafts in samples:
-        bm = new_bitmask(n, logits.shape[-1])
-        live = req.grammar.masks(drafts or [], bm)
+        live = req.grammar.masks(drafts or [], bm, lo)
         rows.extend(lo + j for j in range(n) if live[j])
-        masks.extend(bm[j] for j in range(n) if live[j])
-    return apply_masks(logits, rows, torch.stack(masks)) if rows else logits
+    return apply_masks(logits, rows, bm)
 
 
 def attach_logprobs(samples: Sequence[Sample], adjusted: torch.Tensor, results: dict[int, StepResult]) -> None:

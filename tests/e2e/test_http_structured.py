@@ -47,11 +47,11 @@ def _name(c: openai.OpenAI) -> str:
 def test_response_format_json_schema_whole_and_streamed(client):
     rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
     for temperature in (0, 1.0):
-        r = client.chat.completions.create(model=_name(client), messages=MSGS, max_tokens=80,
+        r = client.chat.completions.create(model=_name(client), messages=MSGS, max_tokens=160,
                                            temperature=temperature, seed=5, response_format=rf)
         assert r.choices[0].finish_reason == "stop"
         validate(json.loads(r.choices[0].message.content))
-        chunks = client.chat.completions.create(model=_name(client), messages=MSGS, max_tokens=80,
+        chunks = client.chat.completions.create(model=_name(client), messages=MSGS, max_tokens=160,
                                                 temperature=temperature, seed=5, response_format=rf, stream=True)
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == r.choices[0].message.content
@@ -70,7 +70,7 @@ def test_json_object_and_vllm_extras(client):
     c = client.completions.create(model=_name(client), prompt="Who", max_tokens=20, temperature=1.0,
                                   extra_body={"guided_regex": "[A-Z][a-z]{2,5}!"})
     assert re.fullmatch("[A-Z][a-z]{2,5}!", c.choices[0].text)
-    c = client.completions.create(model=_name(client), prompt="Who", max_tokens=40, temperature=0,
+    c = client.completions.create(model=_name(client), prompt="Who", max_tokens=160, temperature=0,
                                   extra_body={"guided_json": json.dumps(SCHEMA)})
     validate(json.loads(c.choices[0].text))
     c = client.completions.create(model=_name(client), prompt="Who", max_tokens=20, temperature=0,

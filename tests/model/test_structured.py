@@ -81,7 +81,7 @@ def _forbidden(llm):
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_p=0.95, seed=7)],
                          ids=["greedy", "seeded"])
 def test_json_schema_output_is_valid_and_the_same_under_mtp(llms, sampling):
-    params = SamplingParams(max_tokens=80, structured={"json_schema": SCHEMA}, **sampling)
+    params = SamplingParams(max_tokens=160, structured={"json_schema": SCHEMA}, **sampling)
     ref = _run(llms[0], params)
     for c in ref:
         assert c.finish_reason == "stop"
@@ -100,7 +100,7 @@ def test_json_schema_output_is_valid_and_the_same_under_mtp(llms, sampling):
 
 def test_half_right_drafts_roll_the_matcher_back(llms):
     """Drafts right at the first position, wrong at the second: every step rolls back one token."""
-    params = SamplingParams(max_tokens=80, structured={"json_schema": SCHEMA})
+    params = SamplingParams(max_tokens=160, structured={"json_schema": SCHEMA})
     ref = _by_prompt(llms[0], _run(llms[0], params))
 
     def half(req, out_so_far, proposed):
@@ -138,7 +138,7 @@ def test_constrained_and_free_requests_share_a_batch(llms):
     alone = _run(llms[2], free, prompts=PROMPTS[:1])[0]
     eng = llms[2].engine
     a = eng.add_request(PROMPTS[0], free)
-    b = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=80, structured={"json_schema": SCHEMA}))
+    b = eng.add_request(PROMPTS[1], SamplingParams(max_tokens=160, structured={"json_schema": SCHEMA}))
     got: dict[str, list[int]] = {a: [], b: []}
     while eng.has_unfinished():
         for o in eng.step():

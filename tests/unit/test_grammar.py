@@ -33,12 +33,25 @@ def test_without_xgrammar_the_error_names_what_to_install(monkeypatch):
         Grammars(None, 8, 1).compile({"regex": "a"})
 
 
-def test_apply_masks_limits_only_the_given_rows():
-    logits = torch.zeros(3, 40)
-    bm = new_bitmask(1, 40)
-    bm[0, 0] = 0b101  # tokens 0 and 2 of the first word
-    bm[0, 1] = 1 << 3  # token 35
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])  # float64: the torch path
+def test_apply_masks_limits_only_the_given_rows(dtype):
+    pytest.importorskip("xgrammar")
+    logits = torch.zeros(3, 40, dtype=dtype)
+    bm = new_bitmask(3, 40)
+    bm[1, 0] = 0b101  # tokens 0 and 2 of the first word
+    bm[1, 1] = 1 << 3  # token 35
+    bm[2] = 0  # not in rows: untouched
     out = apply_masks(logits, [1], bm)
     assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 2, 35]
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[2]).all() and torch.isfinite(logits).all()
     assert apply_masks(logits, [], bm) is logits
+
+
+def test_cpu_kernel_and_torch_unpacking_agree():
+    pytest.importorskip("xgrammar")
+    g = torch.Generator().manual_seed(0)
+    bm = torch.randint(-2**31, 2**31 - 1, (4, 5), dtype=torch.int32, generator=g)
+    logits = torch.randn(4, 150, generator=g)
+    a = apply_masks(logits, [0, 2, 3], bm)
+    b = apply_masks(logits.double(), [0, 2, 3], bm)
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(torch.isfinite(a[1]), torch.ones(150, dtype=torch.bool))
