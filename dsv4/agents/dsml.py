@@ -31,9 +31,11 @@ wrapper: its members become the arguments. `arguments` is `json.dumps` of the ob
 kept), and the streamed pieces concatenate to exactly that string.
 
 Calls to functions not in `tools` are dropped (and listed in `errors`) unless `allow_unknown`. A
-call still open at the end (generation stopped by `length`) is not returned by `parse_dsml`; a
-stream has sent its start, so its arguments are closed to valid JSON and its `ToolCallEnd` carries
-`error="truncated"`. `finish_reason`: "length" then, else "tool_calls" with calls, else None.
+call still open at the end (generation stopped by `length`) is not among `calls`: a stream has
+sent its start, so its arguments are closed to valid JSON, its `ToolCallEnd` carries
+`error="truncated"`, and it is kept in `cut` (a server answers it as streamed).
+`finish_reason`: "length" then, else "tool_calls" with calls, else None. At the end, a held-back
+`<` or `</` that never became a tag is text, unless the text was cut by its length (`finish(cut=True)`).
 """
 from __future__ import annotations
 
@@ -122,6 +124,7 @@ class DSMLStreamParser:
         self._next_index = 0
         self._out: list[Event] = []
         self.calls: list[ToolCall] = []
+        self.cut: list[ToolCall] = []  # a call the end of the text cut off (then finish_reason "length")
         self.errors: list[str] = []
         self.truncated = False
 
@@ -134,11 +137,17 @@ class DSMLStreamParser:
         self._run()
         return self._take()
 
-    def finish(self) -> list[Event]:
+    def finish(self, cut: bool = False) -> list[Event]:
+        """The end of the text: `cut` when the generation was stopped by its length (then a
+        held-back `<` may be the start of a block, and is dropped with the whitespace before
+        it), else it ended on purpose and a `<` or `</` that never became a tag is text."""
         self._run()
         rest, self._buf = self._buf, ""
         if self._mode == "content":
-            if rest:  # a possible tag start, and the whitespace before it, are dropped
+            if rest and "｜" not in rest and not cut:  # `<`, `</`: it never became a tag, so it is text
+                self._out.append(ContentDelta(self._pending_ws + rest))
+                self._pending_ws = ""
+            elif rest:  # the start of DSML markup, cut by the end: never content
                 self.truncated, self._pending_ws = "｜" in rest, ""
             if self._pending_ws:
                 self._out.append(ContentDelta(self._pending_ws))
@@ -339,7 +348,8 @@ class DSMLStreamParser:
             self._args("}")
         error, self._call = error or call.error, None
         self._out.append(ToolCallEnd(call.index, error))
-        if error == TRUNCATED:
+        if error == TRUNCATED:  # its start and arguments were streamed: kept apart, closed to valid JSON
+            self.cut.append(ToolCall(call.id, call.name, "".join(call.pieces), error))
             return
         self.calls.append(ToolCall(call.id, call.name, "".join(call.pieces), error))
         if error:
@@ -347,9 +357,9 @@ class DSMLStreamParser:
 
 
 def parse_dsml(text: str, tools: Optional[Iterable[Any]] = None, *,
-               allow_unknown: bool = False) -> ParseResult:
+               allow_unknown: bool = False, cut: bool = False) -> ParseResult:
     """Parse a whole generated text (after `</think>`): content without DSML, complete calls."""
     parser = DSMLStreamParser(tools, allow_unknown=allow_unknown)
-    events = parser.feed(text) + parser.finish()
+    events = parser.feed(text) + parser.finish(cut)
     content = "".join(e.text for e in events if isinstance(e, ContentDelta))
     return ParseResult(content, parser.calls, parser.finish_reason, parser.truncated, parser.errors)

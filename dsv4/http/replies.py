@@ -142,7 +142,7 @@ class Replies:
             content, self.echo_text[i] = self.echo_text[i] + content, None
         parser = self.tools[i]
         if parser is not None:
-            events = parser.feed(content) + (parser.finish() if final else [])
+            events = parser.feed(content) + (parser.finish(cut=reason == "length") if final else [])
             content, calls = _tool_deltas(events)
             if final and parser.finish_reason is not None:  # "length" inside a call, else "tool_calls"
                 reason = self.reasons[i] = parser.finish_reason
@@ -189,7 +189,7 @@ class Replies:
                 continue
             message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
             parser = self.tools[i]
-            calls = [c.to_openai() for c in parser.calls] if parser is not None else []  # as streamed
+            calls = [c.to_openai() for c in parser.calls + parser.cut] if parser is not None else []  # as streamed
             if calls:
                 message["content"] = self.content[i] or None
                 message["tool_calls"] = calls

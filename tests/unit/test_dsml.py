@@ -151,14 +151,14 @@ def test_truncated_stream_closes_arguments():
     assert p.finish_reason == "length" and p.calls == []
 
 
-def stream(text, cuts, tools=TOOLS):
+def stream(text, cuts, tools=TOOLS, cut=False):
     """Feed text split at cuts; return (content, [(name, args, error)], events, contents fed)."""
     p = DSMLStreamParser(tools)
     events, pieces, prev = [], [], 0
     for c in list(cuts) + [len(text)]:
         events += p.feed(text[prev:c])
         prev = c
-    events += p.finish()
+    events += p.finish(cut)
     calls, order = {}, []
     for e in events:
         if isinstance(e, ContentDelta):
@@ -177,9 +177,9 @@ def stream(text, cuts, tools=TOOLS):
     return "".join(pieces), [tuple(calls[i][:3]) for i in order], events, pieces
 
 
-def check_stream(text, cuts):
-    ref = parse_dsml(text, TOOLS)
-    content, calls, _, pieces = stream(text, cuts)
+def check_stream(text, cuts, cut=False):
+    ref = parse_dsml(text, TOOLS, cut=cut)
+    content, calls, _, pieces = stream(text, cuts, cut=cut)
     assert content == ref.content
     assert [c for c in calls if c[2] != TRUNCATED] == [(c.name, c.arguments, c.error) for c in ref.calls]
     # '<' or '</' may end a piece once the next character (whitespace, held) decided them
@@ -214,14 +214,14 @@ def test_every_prefix_is_safe():
                                                      param("tags", '["x"]', False)))
     full = parse_dsml(text, TOOLS)
     for k in range(len(text) + 1):
-        r = parse_dsml(text[:k], TOOLS)
+        r = parse_dsml(text[:k], TOOLS, cut=True)  # stopped by its length
         assert "｜" not in r.content and "DSML" not in r.content
         assert full.content.startswith(r.content.rstrip()) and not r.content.endswith("<")
         assert [(c.name, c.arguments) for c in r.calls] == \
             [(c.name, c.arguments) for c in full.calls[:len(r.calls)]]
         if r.truncated:
             assert r.finish_reason == "length"
-        check_stream(text[:k], [k // 2])
+        check_stream(text[:k], [k // 2], cut=True)
 
 
 def test_name_first_then_argument_pieces():
@@ -232,3 +232,26 @@ def test_name_first_then_argument_pieces():
     args = [e.text for e in events if isinstance(e, ToolCallArgs)]
     assert len(args) > 3 and "".join(args) == '{"city": "Paris", "days": 2}'
     assert any(a.endswith('"Pa') or a == "P" for a in args)  # the string streams as it comes
+
+
+def test_a_trailing_lt_is_text_and_a_cut_opener_is_not():
+    """At the end of a text that ended on purpose, a held-back `<` or `</` that never became
+    a tag is content (an answer may end "if a <"); cut by the length limit, it may be a
+    block's start and is dropped; the start of DSML markup is never content."""
+    for text in ("if a <", "x </", "1 <2"):
+        r = parse_dsml(text, TOOLS)
+        assert r.content == text and r.finish_reason is None, r
+        check_stream(text, range(len(text)))
+    assert parse_dsml("if a <", TOOLS, cut=True).content == "if a"
+    r = parse_dsml("x <｜DS", TOOLS)
+    assert r.content == "x" and r.finish_reason == "length"
+
+
+def test_a_call_cut_by_the_end_is_kept_apart_as_streamed():
+    text = "Sure." + block(invoke("get_weather", param("city", "Paris"), param("days", "2", False)))
+    cut = text[:text.index("Paris") + 3]
+    p = DSMLStreamParser(TOOLS)
+    events = p.feed(cut) + p.finish()
+    assert p.calls == [] and [c.name for c in p.cut] == ["get_weather"] and p.finish_reason == "length"
+    streamed = "".join(e.text for e in events if isinstance(e, ToolCallArgs))
+    assert p.cut[0].arguments == streamed and json.loads(streamed) == {"city": "Par"}

@@ -107,14 +107,17 @@ def test_tool_calls_streamed_and_whole_agree(tok, thinking: bool) -> None:
 
 
 def test_a_call_cut_by_the_length_limit_finishes_with_length(tok) -> None:
+    """Cut inside a call: `length`, and the call as far as it went (arguments closed to
+    valid JSON) in the whole answer as in the stream, which already sent its start."""
     text = "Sure." + BLOCK[:BLOCK.index("Paris") + 3]
     r, chunks = _replies(_deltas(tok, text), reason="length")
     whole = r.whole()["choices"][0]
-    assert whole["finish_reason"] == "length" and "tool_calls" not in whole["message"]
-    assert whole["message"]["content"] == "Sure."
+    assert whole["finish_reason"] == "length" and whole["message"]["content"] == "Sure."
     s = _reassemble(chunks)
     assert s["reason"] == "length" and s["content"] == "Sure."
-    json.loads(s["calls"][0]["arguments"])  # what was streamed of it is closed to valid JSON
+    assert [(c["id"], c["name"], c["arguments"]) for c in s["calls"]] == \
+        [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in whole["message"]["tool_calls"]]
+    assert json.loads(s["calls"][0]["arguments"]) == {"city": "Par"}
 
 
 def test_without_tools_the_text_is_content(tok) -> None:
