@@ -146,3 +146,25 @@ def test_size_that_does_not_divide_is_refused(tiny_checkpoint):
         EngineConfig.create(str(tiny_checkpoint), tensor_parallel_size=3)
     with pytest.raises(EngineConfigError, match="^--tensor-parallel-size must be a positive integer, got 0$"):
         EngineConfig.create(str(tiny_checkpoint), tensor_parallel_size=0)
+
+
+def test_structured_output_at_two_ranks(tiny_checkpoint):
+    """A JSON-schema request at T = 2, K = 2 (rank 0 masks the verified rows and the drafts,
+    and sends each depth's drafts to rank 1): the tokens of T = 1, K = 0, and as many drafts
+    accepted as at T = 1, K = 2."""
+    pytest.importorskip("xgrammar")
+    from tests.model.test_structured import SCHEMA
+
+    threads = torch.get_num_threads()
+    params = SamplingParams(max_tokens=160, structured={"json_schema": SCHEMA})
+    got = {}
+    try:
+        for T, K in ((1, 0), (1, 2), (2, 2)):
+            with LLM(tiny_checkpoint, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3,
+                     max_model_len=256, prefill_limit=16) as llm:
+                c = llm.generate(["To be, or not to be"], params)[0]
+            got[T, K] = (c.token_ids, c.metrics["spec"]["accepted"], c.finish_reason)
+    finally:
+        torch.set_num_threads(threads)
+    assert got[1, 0][0] == got[1, 2][0] == got[2, 2][0] and got[1, 0][2] == "stop"
+    assert got[2, 2][1] == got[1, 2][1] > 0
