@@ -52,7 +52,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # JSON and msgpack maps from clients have string keys
-            self.logit_bias = {(int(k) if isinstance(k, str) and k.isascii() and k.isdigit() else k): v
+            self.logit_bias = {(int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 else k): v
                                for k, v in self.logit_bias.items()}
 
     @classmethod

@@ -179,7 +179,7 @@ def logit_bias_of(body: dict[str, Any]) -> dict[str, float]:
     if not isinstance(bias, dict):
         raise _bad("logit_bias must be an object mapping token ids to numbers", "logit_bias")
     for k, v in bias.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit()):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12):  # int() of 4301+ digits raises
             raise _bad(f"logit_bias keys must be token ids (strings of digits), got {_short(k)}", "logit_bias")
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not -MAX_BIAS <= v <= MAX_BIAS:
             raise _bad(f"logit_bias values must be numbers in [-{MAX_BIAS}, {MAX_BIAS}], got {_short(v)} for "

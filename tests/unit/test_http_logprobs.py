@@ -58,7 +58,8 @@ def test_bodies_to_params():
     (True, {"echo": True}, "echo"), (False, {"logprobs": 6}, "logprobs"), (False, {"logprobs": True}, "logprobs"),
     (False, {"top_logprobs": 2}, "top_logprobs"), (False, {"echo": 1}, "echo"), (False, {"max_tokens": 0}, "max_tokens"),
     (False, {"logit_bias": {"x": 1}}, "logit_bias"), (False, {"logit_bias": {"5": 101}}, "logit_bias"),
-    (True, {"logit_bias": [5]}, "logit_bias"), (True, {"logit_bias": {"5": True}}, "logit_bias")])
+    (True, {"logit_bias": [5]}, "logit_bias"), (True, {"logit_bias": {"5": True}}, "logit_bias"),
+    (False, {"logit_bias": {"1" * 5000: 1}}, "logit_bias")])  # int() of 4301+ digits raises: a 400, not a 500
 def test_bad_values_are_400_naming_the_field(chat, extra, param):
     with pytest.raises(ApiError) as e:
         if chat:
