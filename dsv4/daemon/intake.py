@@ -6,13 +6,20 @@
   the server's wakeup socket and are collected with `done()`.
 * `ConnectionGuard`: counts the ROUTER's open connections with a ZeroMQ socket monitor.
   libzmq aborts the whole process when accepting an ipc connection fails for lack of
-  descriptors (EMFILE), so the daemon never lets it get there: at `limit` open
+  descriptors (EMFILE: `Too many open files (src/ipc_listener.cpp:297)`; its tcp listener
+  copes), so the daemon keeps it from getting there: at `limit` open
   connections (or below 3/4 of the headroom of free descriptors, whatever holds them:
   HTTP connections too) it unbinds the endpoint (every connection of that listener is
   dropped, new ones are refused) and binds again after a pause. Its own thread reads the
   monitor, so it reacts to accepts at once, also while the engine steps. `connection_limit()`
   derives the limit from the descriptor limit, keeping headroom for the accepts that land
-  before the unbind, and the HTTP front end's share.
+  before the unbind, and the HTTP front end's share. It is a race the guard wins by
+  reacting within the headroom: a same-user flood of 600 ipc connects lands in ~40 ms, so
+  at a descriptor limit as small as 256 a guard thread kept from the GIL (the HTTP thread
+  refusing an HTTP flood) lost it 1 time in 5 on a loaded 2-core machine until it looked
+  at the descriptors before reading each event and the daemon switched threads every 1 ms
+  (`process.py`). The daemon raises its soft descriptor limit to the hard one at start,
+  which makes the headroom large in practice.
 """
 
 from __future__ import annotations
