@@ -7,8 +7,9 @@ compiled by xgrammar into per-token masks, kept exact under MTP speculative deco
   whitespace is at most `MAX_JSON_WHITESPACE` characters: a model cannot pad forever.
 * `Grammars` (one per engine): xgrammar's `TokenizerInfo` built once, lazily, from the
   tokenizer's vocabulary (each id's bytes, `Tokenizer.token_bytes`: byte-level BPE
-  strings mapped back to bytes; added tokens and the ids past the tokenizer's vocabulary
-  are special, never allowed by a grammar), EOS as its stop token; compiled grammars in a
+  strings mapped back to bytes; special added tokens, `<think>`, `</think>` and the ids past
+  the tokenizer's vocabulary are never allowed by a grammar, other added tokens such as
+  V4's `｜DSML｜` are their text), EOS as its stop token; compiled grammars in a
   small LRU keyed by the spec. `Grammars.state(spec, thinking)` -> a `GrammarState`.
 * `GrammarState` (one per request, on rank 0): `masks(drafts)` gives the bitmask of every
   verified row: row j's after accepting drafts 0..j-1 into the matcher, then rolled back;
@@ -115,7 +116,7 @@ class Grammars:
         tok = self.tokenizer
         if tok is None:
             raise RequestError("structured outputs need a tokenizer; this model has no tokenizer.json")
-        special = set(tok.added_token_ids())
+        special = set(tok.special_token_ids()) | {t for t in (self.think_start, self.think_end) if t is not None}
         n = min(tok.vocab_size, self.vocab_size)
         vocab = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
         vocab += [b""] * (self.vocab_size - n)

@@ -210,9 +210,10 @@ class Tokenizer:
         """The vocabulary string of an id (byte-level form, as `convert_ids_to_tokens`), or None."""
         return self._tok.id_to_token(token_id)
 
-    def added_token_ids(self) -> list[int]:
-        """Ids of the added tokens (special tokens, `<think>`, ...): no plain text maps to them."""
-        return sorted(self._tok.get_added_tokens_decoder())
+    def special_token_ids(self) -> list[int]:
+        """Ids of the added tokens marked special (BOS, EOS, <｜User｜>, ...: control, not text;
+        V4's `<think>`, `</think>` and `｜DSML｜` are added tokens that are not)."""
+        return sorted(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The UTF-8 bytes one token stands for (a piece of a character for some byte-level

