@@ -156,9 +156,10 @@ class Grammars:
 
     def state(self, spec: dict[str, Any], prompt_ids: Sequence[int]) -> "GrammarState":
         """A fresh matcher for a request; it starts unconstrained when the prompt ends in `<think>`."""
+        compiled = self.compile(spec)  # first: without xgrammar it is the error that says how to install it
         import xgrammar as xgr
 
-        matcher = xgr.GrammarMatcher(self.compile(spec))
+        matcher = xgr.GrammarMatcher(compiled)
         thinking = self.think_start is not None and bool(prompt_ids) and prompt_ids[-1] == self.think_start
         return GrammarState(matcher, self.vocab_size, active=not thinking, think_end=self.think_end)
 
