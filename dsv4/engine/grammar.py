@@ -81,15 +81,6 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def available() -> bool:
-    """Whether xgrammar imports."""
-    try:
-        import xgrammar  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def choice_ebnf(choices: Sequence[str]) -> str:
     """An EBNF grammar whose sentences are exactly `choices`."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

@@ -12,9 +12,9 @@ Honoured: structured outputs (`response_format` json_object / json_schema, vLLM'
 `structured_outputs` and `guided_*`: `dsv4.http.structured`; after `</think>` in thinking
 mode), `logprobs` / `top_logprobs` (chat, 0..20), integer `logprobs` (completions, 0..5) and
 `echo` (completions: the prompt's logprobs too, from the engine's `prompt_logprobs`;
-`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the reply shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`,
-`metadata`, `safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools)
-and unknown vendor fields are ignored, as OpenAI ignores what it does not know.
+`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the reply
+shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`, `metadata`,
+`safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools) and unknown vendor fields are ignored, as OpenAI ignores what it does not know.
 
 Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
 rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`), with `tools`,

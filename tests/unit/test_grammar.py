@@ -54,4 +54,5 @@ def test_cpu_kernel_and_torch_unpacking_agree():
     logits = torch.randn(4, 150, generator=g)
     a = apply_masks(logits, [0, 2, 3], bm)
     b = apply_masks(logits.double(), [0, 2, 3], bm)
-    assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.equal(torch.isfinite(a[1]), torch.ones(150, dtype=torch.bool))
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+    assert torch.isfinite(a[1]).all()  # a row not in rows
