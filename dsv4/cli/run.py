@@ -64,6 +64,9 @@ def run(
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="System prompt (chat mode).")]
     = None,
     think: Annotated[bool, typer.Option("--think", help="Thinking mode: the answer starts with <think>.")] = False,
+    tools: Annotated[Optional[str], typer.Option(
+        "--tools", metavar="FILE", help="OpenAI function tools (a JSON list) the model may call: rendered into "
+        "the prompt; its calls print as JSON lines after the answer (--json: tool_calls).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")]
     = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings and MTP statistics to stderr.")]
@@ -88,8 +91,16 @@ def run(
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
         profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
         tensor_parallel_size=tensor_parallel_size)
-    if raw and (system is not None or think):
-        raise CliError("--system and --think need the chat template; drop --raw", O.EXIT_USAGE)
+    if raw and (system is not None or think or tools is not None):
+        raise CliError("--system, --think and --tools need the chat template; drop --raw", O.EXIT_USAGE)
+    tool_list = None
+    if tools is not None:
+        from dsv4.cli.tools import read_tools
+
+        try:
+            tool_list = read_tools(tools)
+        except ValueError as e:
+            raise CliError(str(e), O.EXIT_USAGE) from None
     if local:
         O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
@@ -102,12 +113,16 @@ def run(
     if prompt is None and not local and not as_json and _isatty(sys.stdin) and _isatty(sys.stdout):
         from dsv4.cli.chat import run_chat  # no prompt on a terminal: an interactive session
 
+        if tool_list is not None:
+            raise CliError("--tools needs a prompt: the chat session does not take tools", O.EXIT_USAGE)
+
         raise typer.Exit(run_chat(socket, system, think, params, api_key))
     text = read_prompt(prompt)
     if stop:
         params["stop"] = list(stop)
-    request = dict(prompt=text, params=params, mode="raw" if raw else "auto", system=system, thinking=think)
-    out = Output(as_json=as_json, show_drafts=show_drafts)
+    request = dict(prompt=text, params=params, mode="raw" if raw else "auto", system=system, thinking=think,
+                   tools=tool_list)
+    out = Output(as_json=as_json, show_drafts=show_drafts, tools=tool_list, thinking=think)
     deadline = time.monotonic() + timeout if timeout > 0 else None
     signal.signal(signal.SIGTERM, _interrupt)
     if local:
@@ -169,9 +184,15 @@ def _isatty(f: Any) -> bool:
 class Output:
     """Renders events (delta ..., final) to stdout and collects what `--json` and `--verbose` print."""
 
-    def __init__(self, *, as_json: bool, show_drafts: bool) -> None:
+    def __init__(self, *, as_json: bool, show_drafts: bool, tools: list[Any] | None = None,
+                 thinking: bool = False) -> None:
         self.as_json = as_json
-        self.colour = show_drafts and not as_json and _isatty(sys.stdout)
+        self.tools = None  # --tools: the answer's DSML becomes tool calls (dsv4/cli/tools.py)
+        if tools:
+            from dsv4.cli.tools import ToolText
+
+            self.tools = ToolText(tools, thinking)
+        self.colour = show_drafts and not as_json and _isatty(sys.stdout) and not tools
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.sources: list[str] = []
@@ -181,6 +202,7 @@ class Output:
         self.t_end: float | None = None
         self._char_src: list[str] = []  # per character of the per-token pieces: draft/target
         self._printed = 0
+        self._shown = ""  # the last text written to stdout
         self.load_s: float | None = None  # --local: model load time, kept out of TTFT
 
     # ------------------------------------------------------------------ driving
@@ -194,7 +216,8 @@ class Output:
             client.connect(deadline=deadline)
             self.t0 = time.monotonic()
             rid = client.generate(request["prompt"], request["params"], mode=request["mode"],
-                                  system=request["system"], thinking=request["thinking"], pieces=self.colour)
+                                  system=request["system"], thinking=request["thinking"], pieces=self.colour,
+                                  tools=request.get("tools"))
             try:
                 return self.drive(client.stream(rid, deadline), on_interrupt=lambda: client.cancel(rid))
             except DaemonTimeout:
@@ -220,10 +243,14 @@ class Output:
             _silence_stdout()
             return O.EXIT_OK
         self.t_end = time.monotonic()
+        if self.tools is not None:
+            self._write(self.tools.finish(cut=self.final.get("finish_reason") == "length"))
         if self.as_json:
             print(json.dumps(self.result(), ensure_ascii=False))
         else:
             self._end_line()
+            for call in self.tools.calls if self.tools is not None else ():
+                print(json.dumps(call, ensure_ascii=False))
         if self.final.get("finish_reason") in ("error", "abort") and self.final.get("error"):
             O.err(f"dsv4: {self.final['error']}")
             return O.EXIT_ERROR
@@ -237,10 +264,16 @@ class Output:
         self.token_ids += ids
         self.sources += sources
         self.text.append(text)
-        if self.as_json or not text:
-            return
+        if self.tools is not None:
+            text = self.tools.feed(text)
         if self.colour:
             text = self._coloured(text, msg.get("pieces") or [], sources)
+        self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self.as_json or not text:
+            return
+        self._shown = text
         sys.stdout.write(text)
         sys.stdout.flush()
 
@@ -262,7 +295,8 @@ class Output:
         return "".join(out)
 
     def _end_line(self) -> None:
-        if not self.as_json and _isatty(sys.stdout) and self.text and not "".join(self.text).endswith("\n"):
+        if not self.as_json and (_isatty(sys.stdout) or self.tools is not None) and self._shown \
+                and not self._shown.endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()
 
@@ -282,7 +316,12 @@ class Output:
         for key in ("drafted", "accepted", "acceptance_rate", "mean_acceptance_length"):
             spec.setdefault(key, 0 if key in ("drafted", "accepted") else None)
         usage = f.get("usage") or {"prompt_tokens": None, "completion_tokens": len(self.token_ids)}
-        return {"text": "".join(self.text), "token_ids": self.token_ids, "finish_reason": f.get("finish_reason"),
+        reason = f.get("finish_reason")
+        tools: dict[str, Any] = {}
+        if self.tools is not None:  # the text without the DSML, and the calls in it
+            tools = {"content": self.tools.content, "tool_calls": self.tools.calls}
+            reason = self.tools.finish_reason if reason != "length" and self.tools.finish_reason else reason
+        return {"text": "".join(self.text), **tools, "token_ids": self.token_ids, "finish_reason": reason,
                 "error": f.get("error"), "usage": usage, "timings": self.timings(),
                 "server_timings": f.get("timings"), "spec": spec,
                 # what ran compiled (--compile); null from a daemon older than these keys
@@ -337,7 +376,7 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool,
         on_loaded()
     try:
         rid = engine.add_request(request["prompt"], params, prompt_mode=request["mode"], system=request["system"],
-                                 thinking=request["thinking"])
+                                 thinking=request["thinking"], tools=request.get("tools"))
     except ValueError as e:  # RequestError
         raise CliError(str(e)) from None
     detok = engine.tokenizer.detokenizer() if pieces and engine.tokenizer is not None else None

@@ -184,9 +184,12 @@ class Admission:
                     self._pending[erid] = Pending(client, req, params)
                     state.requests[req.id] = erid
                     self._intake.submit(erid, encode, prompt, prompt_mode=req.mode, system=req.system,
-                                        thinking=req.thinking)
+                                        thinking=req.thinking, tools=req.tools)
                     return
-                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking)
+                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking,
+                                tools=req.tools)
+            elif req.tools:
+                raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
         except Exception as e:  # noqa: BLE001  (RequestError: this request only)
             self._reject(client, req, erid, e)
             return

@@ -231,12 +231,12 @@ class Client:
 
     def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
                  system: str | None = None, thinking: bool = False, pieces: bool = False,
-                 request_id: str | None = None) -> str:
+                 request_id: str | None = None, tools: list[Any] | None = None) -> str:
         """Submit a generate request; returns its id. Replies come through `recv` / `stream`."""
         rid = request_id or new_id()
         self._dropped()  # a drop before this request (reconnected since) did not lose it
         self.send(P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking,
-                             params=params, pieces=pieces).to_wire())
+                             params=params, pieces=pieces, tools=tools).to_wire())
         return rid
 
     def cancel(self, rid: str, wait_s: float = 1.0) -> None:

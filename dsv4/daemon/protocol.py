@@ -13,12 +13,14 @@ Client -> daemon                              daemon -> client
     generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces][, logprobs]
                                                             [, prompt_logprobs]}  (streamed)
               params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec,
-              client}                                       compiled, compiled_buckets}
+              client, tools}                                compiled, compiled_buckets}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
     shutdown                                      error    {code, message}  (id null when unknown)
 
 `generate.prompt` is text or a list of token ids; `mode` is auto|chat|raw; `params` is
 a map of `dsv4.engine.sampling.SamplingParams` fields (the daemon validates it);
+`tools` (OpenAI function tools, or nil) are rendered into a text chat prompt as V4's
+tools block (`dsv4 run --tools`);
 `pieces: true` asks for the text of each token in deltas (for `--show-drafts`);
 `strict_length: true` (the HTTP API, for an explicit max_tokens, as vLLM does) refuses with
 `bad_request` a request whose prompt and max_tokens do not fit in max_model_len, instead
@@ -139,6 +141,7 @@ class Generate(Request):
     pieces: bool = False
     strict_length: bool = False
     client: str | None = None
+    tools: list[Any] | None = None  # OpenAI function tools, rendered into a chat prompt (V4's "## Tools")
 
 
 REQUEST_TYPES: dict[str, type[Request]] = {c.TYPE: c for c in (Ping, Status, Shutdown, Cancel, Generate)}
@@ -154,6 +157,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "pieces": (bool,),
     "strict_length": (bool,),
     "client": (str, type(None)),
+    "tools": (list, type(None)),
 }
 
 

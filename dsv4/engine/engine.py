@@ -158,7 +158,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_mode: str = "auto", system: str | None = None,
-                    thinking: bool = False, client: Any = None) -> str:
+                    thinking: bool = False, client: Any = None, tools: list[Any] | None = None) -> str:
         """Queue a request; raises `RequestError` (for this request alone) when it cannot run.
         Without `params`, the model's defaults (`make_params({})`) apply. `client` (any
         hashable) names who asked: the scheduler shares slots fairly between clients."""
@@ -167,7 +167,10 @@ class Engine:
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
                                "(use stop_token_ids)")
         if isinstance(prompt, str):
-            ids = self.encode_request(prompt, prompt_mode=prompt_mode, system=system, thinking=thinking)
+            ids = self.encode_request(prompt, prompt_mode=prompt_mode, system=system, thinking=thinking,
+                                      tools=tools)
+        elif tools:
+            raise RequestError("tools are rendered into a text prompt; pass the prompt as text")
         else:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
@@ -202,14 +205,14 @@ class Engine:
                                f"({self.tokenizer.max_token_bytes} bytes per token at most); send a shorter prompt")
 
     def encode_request(self, prompt: str, *, prompt_mode: str = "auto", system: str | None = None,
-                       thinking: bool = False) -> list[int]:
+                       thinking: bool = False, tools: list[Any] | None = None) -> list[int]:
         """Prompt ids of a text request, size-checked first; touches only the tokenizer, so it
         may run on another thread than `step()` (the daemon tokenizes big prompts there)."""
         self.check_text_size(prompt, system)
         assert self.tokenizer is not None
         try:
             return self.tokenizer.encode_prompt(prompt, mode=prompt_mode, system=system,  # type: ignore[arg-type]
-                                                thinking=thinking)
+                                                thinking=thinking, tools=tools)
         except TokenizerError as e:
             raise RequestError(str(e)) from None
 

@@ -164,8 +164,10 @@ class Tokenizer:
         system: str | None = None,
         thinking: bool = False,
         add_bos: bool | None = None,
+        tools: Sequence[dict] | None = None,
     ) -> list[int]:
-        """Prompt ids for one user turn.
+        """Prompt ids for one user turn (`tools`: OpenAI function tools, rendered as V4's
+        "## Tools" block after the system prompt; chat mode only).
 
         chat: BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> if thinking else </think>).
         raw:  (BOS +) text as is; `system` and `thinking` are ignored.
@@ -177,13 +179,15 @@ class Tokenizer:
             raise TokenizerError(f"unknown prompt mode {mode!r} (expected auto, chat or raw)")
         if mode == "auto":
             mode = "chat" if self.has_chat_tokens else "raw"
-            if mode == "raw" and (thinking or system):  # refused, not ignored (as the HTTP API does)
+            if mode == "raw" and (thinking or system or tools):  # refused, not ignored (as the HTTP API does)
                 raise TokenizerError(f"this model has no chat template, so no "
-                                     f"{'thinking mode' if thinking else 'system prompt'}")
+                                     f"{'thinking mode' if thinking else 'system prompt' if system else 'tools'}")
+        if mode == "raw" and tools:
+            raise TokenizerError("tools need the chat template (not a raw prompt)")
         if mode == "raw":
             return self.encode(text, add_bos=self.add_bos if add_bos is None else add_bos)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return self.encode_chat(msgs, thinking=thinking, add_bos=add_bos is None or add_bos)
+        return self.encode_chat(msgs, thinking=thinking, add_bos=add_bos is None or add_bos, tools=tools or None)
 
     def encode_chat(self, messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True,
                     tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,

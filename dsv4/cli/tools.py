@@ -1,0 +1,78 @@
+"""`dsv4 run --tools FILE`: the tools a prompt offers, and the tool calls in the answer.
+
+The file holds OpenAI function tools: a JSON list, or an object with a "tools" list (the
+body of a chat request will do). They are rendered into the prompt as DeepSeek V4's
+"## Tools" block (`dsv4.agents.encoding`); the DSML block the model writes is parsed
+into OpenAI `tool_calls` (`dsv4.agents.dsml`) as the answer streams, so no markup is
+printed: the content streams as usual, then each call is one JSON line (`--json`: the
+keys `content` and `tool_calls`, `finish_reason` "tool_calls").
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from dsv4.agents.dsml import ContentDelta, DSMLStreamParser
+from dsv4.agents.encoding import EncodingError, check_tools
+from dsv4.http.stream import ReasoningSplitter
+
+MAX_TOOLS_BYTES = 1 << 20
+
+
+def read_tools(path: str) -> list[dict[str, Any]]:
+    """The tools in `path`, checked; ValueError with a one-line reason otherwise."""
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_TOOLS_BYTES:
+            raise ValueError(f"--tools {path}: over {MAX_TOOLS_BYTES >> 20} MiB")
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ValueError(f"--tools {path}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--tools {path}: not JSON ({e})") from None
+    tools = data.get("tools") if isinstance(data, dict) else data
+    if not isinstance(tools, list) or not tools:
+        raise ValueError(f"--tools {path}: expected a non-empty JSON list of tools (or an object with one "
+                         f"under \"tools\")")
+    try:
+        check_tools(tools)
+    except EncodingError as e:
+        raise ValueError(f"--tools {path}: {e}") from None
+    return tools
+
+
+class ToolText:
+    """Splits an answer's text as it streams: reasoning (thinking mode) passes through,
+    the content after it goes through the DSML parser. `feed(text)` -> text to print;
+    `finish(cut)` -> the rest; then `calls` (OpenAI shape) and `content`."""
+
+    def __init__(self, tools: list[dict[str, Any]], thinking: bool) -> None:
+        self._split = ReasoningSplitter(thinking)
+        self._parser = DSMLStreamParser(tools)
+        self._in_reasoning = thinking
+        self.content = ""
+
+    def _content(self, reasoning: str, content: str, final: bool, cut: bool) -> str:
+        events = self._parser.feed(content) + (self._parser.finish(cut) if final else [])
+        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        self.content += text
+        tag = ""
+        if self._in_reasoning and not self._split.in_reasoning:  # the splitter took `</think>`: print it
+            self._in_reasoning, tag = False, "</think>"
+        return reasoning + tag + text
+
+    def feed(self, text: str) -> str:
+        return self._content(*self._split.feed(text), final=False, cut=False)
+
+    def finish(self, cut: bool) -> str:
+        return self._content(*self._split.flush(), final=True, cut=cut)
+
+    @property
+    def calls(self) -> list[dict[str, Any]]:
+        return [c.to_openai() for c in self._parser.calls + self._parser.cut]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self._parser.finish_reason
