@@ -14,35 +14,17 @@ import openai
 import pytest
 import torch
 
-from tests.e2e.util import Daemon, free_port, wait_until
+from tests.e2e.util import openai_server
 
 KEY = "sk-test-logprobs"
 TOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model: Path) -> Iterator[int]:
-    port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV4_API_KEY", KEY)
-        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY, "--num-speculative-tokens", "2",
-                   "--long-prefill-token-threshold", "16").wait_ready()
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
-        yield port
-        d.cleanup()
-
-
-def _alive(c: openai.OpenAI) -> bool:
-    try:
-        return bool(c.models.list().data)
-    except openai.APIError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def client(server: int) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0, timeout=60)
+def client(tiny_model: Path) -> Iterator[openai.OpenAI]:
+    with openai_server(tiny_model, "--num-speculative-tokens", "2", "--long-prefill-token-threshold", "16",
+                       key=KEY) as (c, _):
+        yield c
 
 
 @pytest.fixture(scope="module")

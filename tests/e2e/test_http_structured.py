@@ -12,7 +12,7 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.e2e.util import Daemon, env_for, free_port, wait_until
+from tests.e2e.util import openai_server
 from tests.model.test_structured import SCHEMA, validate
 
 pytest.importorskip("xgrammar")
@@ -22,22 +22,8 @@ MSGS = [{"role": "user", "content": "Who goes there?"}]
 
 @pytest.fixture(scope="module")
 def client(tiny_model: Path) -> Iterator[openai.OpenAI]:
-    port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV4_API_KEY", KEY)
-        d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY, "--num-speculative-tokens", "2"
-                   ).wait_ready()
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
+    with openai_server(tiny_model, "--num-speculative-tokens", "2", key=KEY) as (c, _):
         yield c
-        d.cleanup()
-
-
-def _alive(c: openai.OpenAI) -> bool:
-    try:
-        return bool(c.models.list().data)
-    except openai.APIError:
-        return False
 
 
 def _name(c: openai.OpenAI) -> str:
@@ -111,15 +97,8 @@ def v4_client(tmp_path_factory) -> Iterator[openai.OpenAI]:
     from tests.checkpoints import write_v4_tokenizer_model
 
     path = write_v4_tokenizer_model(tmp_path_factory.mktemp("v4-tools"))
-    port = free_port()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DSV4_API_KEY", KEY)
-        d = Daemon(path, "--http", f"127.0.0.1:{port}", "--api-key", KEY, "--num-speculative-tokens", "2"
-                   ).wait_ready()
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
+    with openai_server(path, "--num-speculative-tokens", "2", key=KEY) as (c, _):
         yield c
-        d.cleanup()
 
 
 @pytest.mark.parametrize("choice, name", [("required", None),
@@ -156,7 +135,7 @@ def test_forced_tool_choice_makes_a_valid_call(v4_client, choice, name):
     assert finished
 
 
-def test_without_xgrammar_a_structured_request_is_400_naming_what_to_install(tiny_model, tmp_path, monkeypatch):
+def test_without_xgrammar_a_structured_request_is_400_naming_what_to_install(tiny_model, tmp_path):
     """A daemon that cannot import xgrammar (a stand-in package that raises ImportError) answers
     a structured-output request with a 400 that says how to install it; others run as before."""
     import os
@@ -164,19 +143,11 @@ def test_without_xgrammar_a_structured_request_is_400_naming_what_to_install(tin
     fake = tmp_path / "no-xgrammar" / "xgrammar"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text('raise ImportError("xgrammar is hidden for this test")\n')
-    port = free_port()
-    monkeypatch.setenv("DSV4_API_KEY", KEY)
     path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH", "")) if p)
-    d = Daemon(tiny_model, "--http", f"127.0.0.1:{port}", "--api-key", KEY,
-               env=env_for(PYTHONPATH=path)).wait_ready()
-    try:
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=60)
-        assert wait_until(lambda: _alive(c), timeout=30), d.log.read_text()
+    with openai_server(tiny_model, key=KEY, PYTHONPATH=path) as (c, _):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=_name(c), messages=MSGS, max_tokens=4,
                                       response_format={"type": "json_object"})
         msg = e.value.body["message"]
         assert e.value.status_code == 400 and "xgrammar" in msg and "scripts/venv.sh http,structured" in msg
         assert c.chat.completions.create(model=_name(c), messages=MSGS, max_tokens=2).usage.completion_tokens == 2
-    finally:
-        d.cleanup()

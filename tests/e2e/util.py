@@ -8,6 +8,7 @@ times slower.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 BIN = Path(sys.executable).parent / "dsv4"
 CMD = [str(BIN)] if BIN.exists() else [sys.executable, "-m", "dsv4.cli.main"]
@@ -138,3 +139,34 @@ class Daemon:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def openai_server(model: Path, *args: str, key: str, **env: str) -> Iterator[tuple[Any, Daemon]]:
+    """`dsv4 serve --http` of `model` with `args`, API key `key` and `env` added to its
+    environment, and an `openai` client of it once its model list answers (DSV4_API_KEY is
+    `key` meanwhile, for the CLI's clients)."""
+    import openai
+
+    port = free_port()
+    old = os.environ.get("DSV4_API_KEY")
+    os.environ["DSV4_API_KEY"] = key
+    d = Daemon(model, "--http", f"127.0.0.1:{port}", "--api-key", key, *args, env=env_for(**env))
+    try:
+        d.wait_ready()
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=60)
+
+        def alive() -> bool:
+            try:
+                return bool(c.models.list().data)
+            except openai.APIError:
+                return False
+
+        assert wait_until(alive, timeout=30), d.log.read_text()
+        yield c, d
+    finally:
+        d.cleanup()
+        if old is None:
+            os.environ.pop("DSV4_API_KEY", None)
+        else:
+            os.environ["DSV4_API_KEY"] = old
