@@ -73,7 +73,11 @@ class Replies:
         self.lp_parts = [L.CompletionLogprobs() for _ in range(n)] if not chat else []
         # completions with echo: the prompt's text until it is sent (a token-id prompt's comes with its logprobs)
         self.echo_text: list[str | None] = [p if parsed.echo and isinstance(p, str) else None
-                                            for p in parsed.prompts[:n]]
+                                            for p in (self.prompt_of(i) for i in range(n))]
+
+    def prompt_of(self, i: int) -> str | list[int]:
+        """The prompt of choice i (choices are prompt-major: n samples of each)."""
+        return self.parsed.prompts[i // self.parsed.n]
 
     def take(self, msg: dict[str, Any]) -> list[dict[str, Any]]:
         """Fold in one reply; returns the stream chunks it makes."""
@@ -113,7 +117,7 @@ class Replies:
     def _logprobs(self, i: int, msg: dict[str, Any]) -> None:
         """Take a delta's logprobs (and, with echo, the prompt's) into choice i."""
         prompt = msg.get("prompt_logprobs")
-        if self.parsed.echo and prompt is not None and not isinstance(self.parsed.prompts[i], str):
+        if self.parsed.echo and prompt is not None and not isinstance(self.prompt_of(i), str):
             self.echo_text[i] = L.prompt_text(prompt)
         if self.parsed.logprobs is None:
             return
@@ -174,7 +178,8 @@ class Replies:
         return obj
 
     def usage(self) -> dict[str, int]:
-        p, c = sum(self.prompt_tokens), sum(self.completion_tokens)
+        p = sum(self.prompt_tokens[::self.parsed.n])  # a prompt's tokens once, whatever its n samples
+        c = sum(self.completion_tokens)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def whole(self) -> dict[str, Any]:

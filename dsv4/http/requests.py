@@ -52,7 +52,6 @@ _NEVER: Callable[[Any], bool] = lambda v: False  # noqa: E731
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_logprobs": (lambda v: v == 0, "top_logprobs is for /v1/chat/completions; completions take an integer "
                                        "logprobs"),
-    "n": (lambda v: v == 1 and not isinstance(v, bool), "only n = 1 is supported"),
     "best_of": (lambda v: v == 1 and not isinstance(v, bool), "best_of is not supported by this server"),
     "echo": (lambda v: v is False, "echo is for /v1/completions, not chat"),
     "suffix": (lambda v: v == "", "suffix is not supported by this server"),
@@ -90,10 +89,23 @@ class Parsed:
     include_usage: bool = False
     mode: str = "auto"
     thinking: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # samples per prompt (choices prompt-major: index = prompt * n + sample)
     tools: list[dict[str, Any]] | None = None  # rendered in the prompt: the answer's DSML is parsed into tool_calls
     logprobs: int | None = None  # the reply carries logprobs with this many top tokens (None: no logprobs)
     echo: bool = False  # completions: the prompt (and its logprobs) before the answer
+
+
+MAX_N = 128  # OpenAI's bound
+
+
+def n_of(body: dict[str, Any]) -> int:
+    """`n`: samples per prompt, 1..MAX_N (each its own request: a seed s gives s, s + 1, ...)."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise _bad(f"n must be an integer in 1..{MAX_N}", "n")
+    return n
 
 
 def _bad(msg: str, param: str | None = None) -> ApiError:
@@ -238,7 +250,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
         raise _bad("the prompt is empty", "prompt")
     if echo and (lp is not None or params.get("max_tokens") == 0 or any(isinstance(p, list) for p in prompts)):
         params["prompt_logprobs"] = lp or 0  # the prompt's tokens (and the text of token-id prompts)
-    return Parsed(prompts, params, stream, include_usage, mode="raw", logprobs=lp, echo=echo)
+    return Parsed(prompts, params, stream, include_usage, mode="raw", logprobs=lp, echo=echo, n=n_of(body))
 
 
 def _content(msg: dict[str, Any], i: int) -> str:
@@ -356,7 +368,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     tools = body.get("tools") if chat.tool_choice != "none" and body.get("tools") else None
     lp = chat_logprobs(body, params)
     return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,
-                  logprobs=lp)
+                  logprobs=lp, n=n_of(body))
 
 
 def parse_tokenize(body: dict[str, Any], tokenizer: Any) -> list[int]:

@@ -6,7 +6,7 @@ counts for, and every refusal as an HTTP status.
 * `max_prompts` (`serve --max-prompts-per-request`, default DEFAULT_MAX_PROMPTS): a
   `prompt` list longer than this is a 400 naming the limit, before anything is sent. One
   request cannot fill the daemon's request table (1,024 in flight) or sidestep `n = 1`
-  with a list of one prompt repeated. OpenAI documents no number for prompt lists and
+  with a list of one prompt repeated; `n` samples a prompt count n times. OpenAI documents no number for prompt lists and
   vLLM takes any; this server's default matches OpenAI's largest `n` (128) halved, and
   the engine's fair shares (below) keep even an allowed list from crowding out others.
 * `client_of`: the client a request counts for in the engine's fair admission (each
@@ -40,10 +40,21 @@ def client_of(request: Any, body: dict[str, Any]) -> str:
 
 
 def check_prompt_count(parsed: Parsed, max_prompts: int) -> None:
-    """400 when the request has more prompts than `max_prompts`."""
-    if len(parsed.prompts) > max_prompts:
-        raise ApiError(400, f"the request has {len(parsed.prompts)} prompts, over the limit of {max_prompts} per "
-                            f"request (--max-prompts-per-request); send fewer per request", "prompt")
+    """400 when the request has more prompts (times `n`) than `max_prompts`."""
+    count = len(parsed.prompts) * parsed.n
+    if count > max_prompts:
+        what = f"{len(parsed.prompts)} prompts x n = {parsed.n}" if parsed.n > 1 else f"{count} prompts"
+        raise ApiError(400, f"the request has {what}, over the limit of {max_prompts} per "
+                            f"request (--max-prompts-per-request); send fewer per request",
+                       "n" if parsed.n > 1 else "prompt")
+
+
+def sample_params(params: dict[str, Any], j: int) -> dict[str, Any]:
+    """The parameters of sample j of a prompt: a seed s gives its samples s, s + 1, ... (the
+    same answers for the same request, different ones for its samples)."""
+    if j == 0 or params.get("seed") is None:
+        return params
+    return {**params, "seed": (int(params["seed"]) + j) % (1 << 64)}
 
 
 async def submit(bridge: Bridge, parsed: Parsed, *, client: str, max_prompts: int, param: str = "prompt"
@@ -55,10 +66,12 @@ async def submit(bridge: Bridge, parsed: Parsed, *, client: str, max_prompts: in
     rids: list[str] = []
     try:
         for prompt in parsed.prompts:
-            # an explicit max_tokens must fit (400 otherwise); without one, generation stops at the model's length
-            rid, _ = await bridge.generate(prompt, parsed.params, mode=parsed.mode, thinking=parsed.thinking,
-                                           queue=q, strict_length="max_tokens" in parsed.params, client=client)
-            rids.append(rid)
+            for j in range(parsed.n):  # n samples, each its own request (no shared prefill yet)
+                # an explicit max_tokens must fit (400 otherwise); without one, generation stops at the model's length
+                rid, _ = await bridge.generate(prompt, sample_params(parsed.params, j), mode=parsed.mode,
+                                               thinking=parsed.thinking, queue=q,
+                                               strict_length="max_tokens" in parsed.params, client=client)
+                rids.append(rid)
     except BaseException as e:
         for rid in rids:
             bridge.cancel(rid)

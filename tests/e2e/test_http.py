@@ -111,7 +111,7 @@ def test_stop_string_cuts_the_text(client):
     assert r.usage.completion_tokens < 24
 
 
-@pytest.mark.parametrize("extra", [{"temperature": -1}, {"n": 2}, {"top_p": 0}, {"max_tokens": 0},
+@pytest.mark.parametrize("extra", [{"temperature": -1}, {"n": 129}, {"top_p": 0}, {"max_tokens": 0},
                                    {"stream_options": {"include_usage": True}}, {"logprobs": 6},
                                    {"repetition_penalty": 0}])
 def test_bad_parameters_are_400(client, extra):

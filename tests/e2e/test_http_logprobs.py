@@ -142,3 +142,24 @@ def test_bad_values_are_400(client, chat, extra):
             client.completions.create(model=_name(client), prompt="x", **{"max_tokens": 2, **extra})
     assert e.value.status_code == 400 and e.value.body["message"] and "\n" not in e.value.body["message"]
     json.dumps(e.value.body)
+
+
+def test_n_samples_are_choices_with_the_prompt_counted_once(client):
+    """`n` = 3 with a seed: three choices (index 0..2), seeded samples s, s + 1, s + 2 (the
+    same request answers the same), streamed as whole; prompt tokens counted once."""
+    kw = dict(model=_name(client), prompt="To be, or not", max_tokens=6, temperature=1.0, seed=11, n=3)
+    r = client.completions.create(**kw)
+    again = client.completions.create(**kw)
+    one = client.completions.create(**{**kw, "n": 1})
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [c.text for c in again.choices]
+    assert r.choices[0].text == one.choices[0].text and len({c.text for c in r.choices}) > 1
+    assert r.usage.prompt_tokens == one.usage.prompt_tokens and r.usage.completion_tokens == 18
+    texts = {i: "" for i in range(3)}
+    for chunk in client.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+    echoed = client.completions.create(**{**kw, "n": 2, "echo": True, "prompt": ["To be", "Or not"]})
+    assert [c.text.split(" ", 1)[0] for c in echoed.choices][::2] == ["To", "Or"]  # prompt-major choices
+    assert [c.text[:5] for c in echoed.choices] == ["To be", "To be", "Or no", "Or no"]

@@ -27,7 +27,8 @@ def test_completion_fields_map_to_sampling_params():
 
 
 @pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": None},
-                                  {"prompt": "x", "n": 2}, {"prompt": "x", "echo": "yes"},
+                                  {"prompt": "x", "n": 0}, {"prompt": "x", "n": 129}, {"prompt": "x", "n": True},
+                                  {"prompt": "x", "n": 2.0}, {"prompt": "x", "echo": "yes"},
                                   {"prompt": "x", "stream_options": {"include_usage": True}},
                                   {"prompt": "x", "stream": "yes"}, {"prompt": "x", "stop": [1]},
                                   {"prompt": "x", "max_tokens": 3, "max_completion_tokens": 4}])
@@ -83,3 +84,20 @@ def test_chat_session_commands():
     assert s.prompt("JULIET:") == ("ROMEO:\n O, she doth teach\nJULIET:\n", "raw")
     assert s.command("/clear") and s.messages == []
     assert s.command("/bye") is None
+
+
+def test_n_samples_per_prompt():
+    """`n`: choices prompt-major, each sample its own request with seed s + j; the prompt cap
+    counts the samples."""
+    from dsv4.http.submit import check_prompt_count, sample_params
+
+    p = parse_completion({"prompt": ["a", "b"], "n": 3, "seed": 7})
+    assert p.n == 3 and parse_completion({"prompt": "x"}).n == 1
+    assert [sample_params(p.params, j)["seed"] for j in range(3)] == [7, 8, 9]
+    assert "seed" not in sample_params({"temperature": 1.0}, 2)
+    assert sample_params({"seed": 2**64 - 1}, 1)["seed"] == 0
+    check_prompt_count(p, 6)
+    with pytest.raises(ApiError) as e:
+        check_prompt_count(p, 5)
+    assert e.value.status == 400 and "n = 3" in str(e.value)
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}], "n": 2}, None).n == 2
