@@ -180,7 +180,7 @@ class Engine:
             req.grammar = self.grammars.state(params.structured, ids)
         self.scheduler.add(req)  # validates; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
-        self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop)),
+        self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output),
                                    RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
         return rid
 

@@ -33,6 +33,7 @@ class SamplingParams:
     min_p: float = 0.0  # 0 = off; keep tokens with p >= min_p * p_max
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended the text stays in it
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     speculative: bool = True  # False: never draft for this request
@@ -104,6 +105,8 @@ class SamplingParams:
             if not isinstance(s, str) or not s or len(s) > MAX_STOP_STRING_LEN:
                 raise RequestError(f"stop strings must be non-empty strings of at most {MAX_STOP_STRING_LEN} "
                                    f"characters, got {s!r:.60}")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise RequestError("include_stop_str_in_output must be true or false")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise RequestError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         for t in self.stop_token_ids:

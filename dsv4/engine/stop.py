@@ -2,7 +2,7 @@
 
 `StopChecker.feed(new_text)` takes the text decoded since the last call and returns
 `(text_to_emit, stopped)`. A stop string is matched across token boundaries and is
-never emitted, nor is anything after it. Text that could still be the start of a stop
+never emitted (unless `include`: vLLM's include_stop_str_in_output), nor is anything after it. Text that could still be the start of a stop
 string is held back until the next pieces decide it; `flush()` returns what is held
 when the stream ends without a stop.
 
@@ -19,8 +19,9 @@ from typing import Sequence
 class StopChecker:
     """Incremental stop-string matcher for one request."""
 
-    def __init__(self, stop: Sequence[str]):
+    def __init__(self, stop: Sequence[str], include: bool = False):
         self.stop = [s for s in stop if s]
+        self.include = include  # the matched stop string is emitted too
         self._held = ""
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the stream
@@ -41,7 +42,8 @@ class StopChecker:
         if best >= 0:
             self.stopped = True
             self._held = ""
-            return buf[:best], True
+            assert self.matched is not None
+            return buf[:best + (len(self.matched) if self.include else 0)], True
         hold = self._partial_suffix(buf)
         self._held = buf[len(buf) - hold:] if hold else ""
         return buf[: len(buf) - hold], False

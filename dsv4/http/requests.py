@@ -43,6 +43,7 @@ from dsv4.http.toolgrammar import tool_call_ebnf
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
                 "repetition_penalty", "presence_penalty", "frequency_penalty",
+                "include_stop_str_in_output",  # vLLM's
                 "speculative")  # dsv4's own: false = no MTP drafts for this request
 
 
@@ -70,8 +71,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # vLLM's extensions that change the answer
     "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "min_tokens is not supported by this server"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported by this server"),
-    "include_stop_str_in_output": (lambda v: v is False, "include_stop_str_in_output is not supported by this "
-                                                         "server"),
     "prompt_logprobs": (lambda v: v == 0, "prompt_logprobs are not supported by this server"),
     "allowed_token_ids": (_NEVER, "allowed_token_ids is not supported by this server"),
     "bad_words": (lambda v: v == [], "bad_words is not supported by this server"),

@@ -109,6 +109,10 @@ def test_stop_string_cuts_the_text(client):
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == full[:full.index(stop)]
     assert r.usage.completion_tokens < 24
+    kept = client.completions.create(model=model, prompt="The king", max_tokens=24, temperature=0, stop=[stop],
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].finish_reason == "stop" and kept.choices[0].text == full[:full.index(stop) + len(stop)]
+    assert kept.usage.completion_tokens == r.usage.completion_tokens
 
 
 @pytest.mark.parametrize("extra", [{"temperature": -1}, {"n": 129}, {"top_p": 0}, {"max_tokens": 0},

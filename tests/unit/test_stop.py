@@ -9,8 +9,8 @@ import pytest
 from dsv4.engine.stop import StopChecker
 
 
-def run(stop, pieces):
-    sc = StopChecker(stop)
+def run(stop, pieces, include=False):
+    sc = StopChecker(stop, include)
     out, stopped = [], False
     for p in pieces:
         text, stopped = sc.feed(p)
@@ -80,3 +80,10 @@ def test_random_splits_match_whole_text(seed: int) -> None:
     pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
     got, stopped, _ = run(stops, pieces)
     assert (got, stopped) == (expected, bool(hits))
+
+
+def test_include_keeps_the_stop_string_and_drops_what_follows() -> None:
+    """vLLM's include_stop_str_in_output: the matched string ends the text, across pieces too."""
+    assert run(["END"], ["hello END world"], include=True)[:2] == ("hello END", True)
+    assert run(["END"], ["hello E", "N", "D and more"], include=True)[:2] == ("hello END", True)
+    assert run(["world", "lo w"], ["hello world"], include=True)[:2] == ("hello w", True)  # the earliest
