@@ -177,23 +177,38 @@ class Admission:
         self._next_id += 1
         prompt: str | list[int] = req.prompt
         encode = getattr(self.engine, "encode_request", None)
+        structured = getattr(params, "structured", None)
         try:
+            if req.tools and not isinstance(prompt, str):
+                raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
             if isinstance(prompt, str) and encode is not None:
                 self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
-                if len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES:
-                    self._pending[erid] = Pending(client, req, params)
-                    state.requests[req.id] = erid
-                    self._intake.submit(erid, encode, prompt, prompt_mode=req.mode, system=req.system,
-                                        thinking=req.thinking, tools=req.tools)
-                    return
+            big = isinstance(prompt, str) and len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES
+            if (encode is not None and big) or (structured is not None and hasattr(self.engine, "prepare_grammar")):
+                # off the loop: tokenizing a big prompt, compiling a grammar (the first also builds the
+                # vocabulary's tables): the other requests' streams go on meanwhile
+                self._pending[erid] = Pending(client, req, params)
+                state.requests[req.id] = erid
+                self._intake.submit(erid, self._prepare, req, structured)
+                return
+            if isinstance(prompt, str) and encode is not None:
                 prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking,
                                 tools=req.tools)
-            elif req.tools:
-                raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
         except Exception as e:  # noqa: BLE001  (RequestError: this request only)
             self._reject(client, req, erid, e)
             return
         self._add(client, state, req, params, erid, prompt)
+
+    def _prepare(self, req: P.Generate, structured: Any) -> str | list[int]:
+        """On the intake worker: the prompt's ids (a text prompt) and the grammar compiled
+        into the engine's cache (a structured request)."""
+        prompt: str | list[int] = req.prompt
+        if isinstance(prompt, str) and getattr(self.engine, "encode_request", None) is not None:
+            prompt = self.engine.encode_request(prompt, prompt_mode=req.mode, system=req.system,
+                                                thinking=req.thinking, tools=req.tools)
+        if structured is not None:
+            self.engine.prepare_grammar(structured)
+        return prompt
 
     def _reject(self, client: bytes, req: P.Generate, erid: str, e: Exception) -> None:
         if not isinstance(e, ValueError):

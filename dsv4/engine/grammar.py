@@ -29,6 +29,7 @@ the scheduler ends a constrained request at EOS even under `ignore_eos`.
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -95,6 +96,8 @@ class Grammars:
         self.think_start, self.think_end = think_start, think_end
         self._compiler: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
+        # the daemon compiles on its intake thread (`compile`) while the loop takes cache hits
+        self._lock = threading.Lock()
 
     def _get_compiler(self) -> Any:
         if self._compiler is not None:
@@ -118,7 +121,12 @@ class Grammars:
 
     def compile(self, spec: dict[str, Any]) -> Any:
         """The xgrammar `CompiledGrammar` of a checked spec (cached); a grammar that does not
-        compile raises `RequestError` (one line)."""
+        compile raises `RequestError` (one line). Thread-safe: the daemon compiles a request's
+        grammar (and, the first time, the vocabulary's) on its intake thread, off the engine loop."""
+        with self._lock:
+            return self._compile(spec)
+
+    def _compile(self, spec: dict[str, Any]) -> Any:
         key = json.dumps(spec, sort_keys=True, ensure_ascii=False)
         if key in self._cache:
             self._cache.move_to_end(key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 import torch
@@ -230,3 +231,48 @@ def test_thinking_mode_constrains_only_after_think_end(v4_llm):
     assert end not in chat.token_ids and json.loads(chat.text) in ({"ok": True}, {"ok": False})
     free = v4_llm.chat(msgs, SamplingParams(max_tokens=3, logit_bias={end: 100.0}))[0]
     assert free.token_ids == [end] * 3  # what the bias does without a grammar
+
+
+def test_the_daemon_compiles_grammars_off_its_loop(ckpt, tmp_path):
+    """A real daemon loop (Server) over a real engine: a structured request's grammar (and, the
+    first time, the vocabulary's tables) is compiled on the intake thread, so the loop keeps
+    streaming others' tokens meanwhile; the answer follows it; a bad grammar is a one-line error."""
+    import threading
+
+    from dsv4.daemon.client import Client, DaemonError
+    from dsv4.daemon.server import Server
+
+    llm = LLM(ckpt, num_speculative_tokens=0, max_num_seqs=2, max_model_len=256)
+    eng = llm.engine
+    threads: list[str] = []
+    compile_ = eng.grammars.compile
+
+    def recording(spec):  # the threads where compiles missed the cache (compiled for real)
+        before = len(eng.grammars._cache)
+        try:
+            return compile_(spec)
+        finally:
+            if len(eng.grammars._cache) != before or before == 0:
+                threads.append(threading.current_thread().name)
+
+    eng.grammars.compile = recording
+    ep = f"ipc://{tmp_path}/s.sock"
+    server = Server(eng, ep, model_name="tiny", make_params=eng.make_params)
+    server.bind()
+    loop = threading.Thread(target=server.serve_forever, name="loop", daemon=True)
+    loop.start()
+    try:
+        with Client(ep, api_key="") as c:
+            rid = c.generate([5, 6, 7], {"max_tokens": 40, "structured": {"choice": ["yes", "no way"]}},
+                             mode="raw")
+            text = "".join(m.get("text") or "" for m in c.stream(rid, deadline=time.monotonic() + 60))
+            assert text in ("yes", "no way")
+            rid = c.generate([5], {"max_tokens": 4, "structured": {"regex": "(unclosed"}}, mode="raw")
+            with pytest.raises(DaemonError, match="cannot compile"):
+                list(c.stream(rid, deadline=time.monotonic() + 60))
+    finally:
+        server.request_stop("test over")
+        loop.join(5)
+        server.close()
+        llm.close()
+    assert threads and all(t.startswith("dsv4-tokenize") for t in threads), threads  # never on the loop
