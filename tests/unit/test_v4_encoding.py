@@ -14,6 +14,7 @@ from dsv4.agents.encoding import (EFFORT_PREAMBLES, ChatOptions, EncodingError, 
                                   to_ids, to_text)
 from dsv4.engine.tokenizer import Tokenizer, TokenizerError, chat_prompt
 from dsv4.http.requests import ApiError, parse_chat, parse_detokenize, parse_tokenize
+from tests.checkpoints import deepseek_tokenizer_dir
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"
 SPECIAL_IDS = {0, 1, 128803, 128804, 128821, 128822, 128825}  # BOS EOS User Assistant <think> </think> ｜DSML｜
@@ -114,23 +115,14 @@ CASES = [  # (id, messages, options, expected prompt)
 ]
 
 
-def _ds_dir() -> Path:
-    from tests.checkpoints import deepseek_tokenizer_dir
-
-    d = deepseek_tokenizer_dir()
-    if d is None:
-        pytest.skip("deepseek-tokenizer is not installed")
-    return d
-
-
 @pytest.fixture(scope="module")
 def ds() -> Tokenizer:
-    return Tokenizer.from_dir(_ds_dir())
+    return Tokenizer.from_dir(deepseek_tokenizer_dir())
 
 
 @pytest.fixture(scope="module")
 def hf() -> HFTokenizer:
-    return HFTokenizer.from_file(str(_ds_dir() / "tokenizer.json"))
+    return HFTokenizer.from_file(str(deepseek_tokenizer_dir() / "tokenizer.json"))
 
 
 @pytest.mark.parametrize("messages, options, expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
