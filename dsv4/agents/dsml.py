@@ -45,8 +45,8 @@ from typing import Any, Callable, Iterable, Optional
 
 from .calls import (ContentDelta, Event, ParseResult, ToolCall, ToolCallArgs, ToolCallEnd,  # noqa: F401
                     ToolCallStart, _dumps, _loads, _schemas, _typed, _types, make_call_id)
+from .encoding import DSML  # noqa: F401  (one spelling of the markup token; importers take it from here too)
 
-DSML = "｜DSML｜"
 TRUNCATED = "truncated"
 _OPENERS = ("<" + DSML, "</" + DSML)
 _TAG_CAP = 512  # a tag longer than this (no '>' yet) is not a tag
@@ -127,6 +127,11 @@ class DSMLStreamParser:
         self.cut: list[ToolCall] = []  # a call the end of the text cut off (then finish_reason "length")
         self.errors: list[str] = []
         self.truncated = False
+
+    def openai_calls(self) -> list[dict[str, Any]]:
+        """The calls in OpenAI's shape as they were streamed: the complete ones, then one the
+        end cut off (its arguments closed to valid JSON)."""
+        return [c.to_openai() for c in self.calls + self.cut]
 
     @property
     def finish_reason(self) -> Optional[str]:

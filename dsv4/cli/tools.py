@@ -71,7 +71,7 @@ class ToolText:
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        return [c.to_openai() for c in self._parser.calls + self._parser.cut]
+        return self._parser.openai_calls()
 
     @property
     def finish_reason(self) -> str | None:

@@ -191,21 +191,19 @@ class Admission:
                 state.requests[req.id] = erid
                 self._intake.submit(erid, self._prepare, req, structured)
                 return
-            if isinstance(prompt, str) and encode is not None:
-                prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking,
-                                tools=req.tools)
+            prompt = self._prepare(req, None)  # a short text prompt: tokenized here
         except Exception as e:  # noqa: BLE001  (RequestError: this request only)
             self._reject(client, req, erid, e)
             return
         self._add(client, state, req, params, erid, prompt)
 
     def _prepare(self, req: P.Generate, structured: Any) -> str | list[int]:
-        """On the intake worker: the prompt's ids (a text prompt) and the grammar compiled
-        into the engine's cache (a structured request)."""
+        """The prompt's ids (a text prompt) and the grammar compiled into the engine's cache (a
+        structured request): on the intake worker, or inline for a short prompt (`structured` None)."""
         prompt: str | list[int] = req.prompt
-        if isinstance(prompt, str) and getattr(self.engine, "encode_request", None) is not None:
-            prompt = self.engine.encode_request(prompt, prompt_mode=req.mode, system=req.system,
-                                                thinking=req.thinking, tools=req.tools)
+        encode = getattr(self.engine, "encode_request", None)
+        if isinstance(prompt, str) and encode is not None:
+            prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking, tools=req.tools)
         if structured is not None:
             self.engine.prepare_grammar(structured)
         return prompt

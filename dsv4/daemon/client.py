@@ -79,6 +79,9 @@ class Client:
         # request in flight on a dropped connection is lost, so `call` sends it again and a
         # stream ends with `DROPPED` instead of waiting out its timeout
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._poller = zmq.Poller()  # a reply, or the monitor's word of a dropped connection
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._sock.connect(endpoint)
         self._last_sent = 0.0
         self._last_heard = time.monotonic()
@@ -117,10 +120,7 @@ class Client:
         if self._pending:
             return self._pending.pop(0)
         ms = None if timeout_s is None else max(0, int(timeout_s * 1000))
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        poller.register(self._monitor, zmq.POLLIN)
-        ready = dict(poller.poll(ms))
+        ready = dict(self._poller.poll(ms))
         if self._sock in ready:
             msg = P.decode_reply(self._sock.recv())
             self._last_heard = time.monotonic()

@@ -1,4 +1,5 @@
-"""The HTTP layer's error: a status and a one-line message, answered in OpenAI's shape."""
+"""The HTTP layer's error: a status and a one-line message, answered in OpenAI's shape (`bad`:
+a 400 naming the field; `short`: a value quoted in such a message)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,14 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.etype, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    """A 400 for a request field (`param`) that cannot be taken."""
+    return ApiError(400, message, param)
+
+
+def short(value: Any) -> str:
+    """`value` as it may appear in a one-line message (repr, at most 60 characters)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any
 
 from dsv4.agents.dsml import ContentDelta, DSMLStreamParser, Event, ToolCallArgs, ToolCallStart
 from dsv4.daemon import protocol as P
@@ -52,9 +52,9 @@ class Replies:
     """The replies of one HTTP request (`index`: request id -> choice)."""
 
     def __init__(self, parsed: Parsed, chat: bool, index: dict[str, int], t0: float, *, model_name: str,
-                 metrics: Any, on_error: Callable[[dict[str, Any]], ApiError] = daemon_error) -> None:
+                 metrics: Any) -> None:
         self.parsed, self.chat, self.index, self.t0 = parsed, chat, index, t0
-        self.model_name, self.metrics, self.on_error = model_name, metrics, on_error
+        self.model_name, self.metrics = model_name, metrics
         n = len(index)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
@@ -85,12 +85,12 @@ class Replies:
         i = self.index.get(rid) if isinstance(rid, str) else None
         if i is None or rid in self.done:
             if msg["type"] == "error" and rid is None:
-                self.error = self.on_error(msg)
+                self.error = daemon_error(msg)
             return []
         now = time.monotonic()
         m = self.metrics
         if msg["type"] == "error" or (msg["type"] == "final" and msg.get("finish_reason") in ("error", "abort")):
-            self.error = self.on_error(msg)
+            self.error = daemon_error(msg)
             self.done.add(rid)
             self.finished += 1
             return []
@@ -194,7 +194,7 @@ class Replies:
                 continue
             message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
             parser = self.tools[i]
-            calls = [c.to_openai() for c in parser.calls + parser.cut] if parser is not None else []  # as streamed
+            calls = parser.openai_calls() if parser is not None else []
             if calls:
                 message["content"] = self.content[i] or None
                 message["tool_calls"] = calls

@@ -30,13 +30,17 @@ ids a chat (or completion) request would use.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, check_tools, encode_messages, \
     thinking_mode
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
-from dsv4.http.errors import ApiError
+from dsv4.engine.params import MAX_BIAS as _MAX_BIAS
+from dsv4.engine.params import MAX_LOGPROBS
+from dsv4.http.errors import ApiError  # noqa: F401  (importers take it from here too)
+from dsv4.http.errors import bad as _bad
+from dsv4.http.errors import short as _short
 from dsv4.http.structured import structured_of
 from dsv4.http.toolgrammar import tool_call_ebnf
 
@@ -107,10 +111,6 @@ def n_of(body: dict[str, Any]) -> int:
     return n
 
 
-def _bad(msg: str, param: str | None = None) -> ApiError:
-    return ApiError(400, msg, param)
-
-
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -118,7 +118,8 @@ def _is_int(v: Any) -> bool:
 # fields of REFUSED that a chat request honours (the prompt encoding renders them, logprobs)
 CHAT_FIELDS = ("tools", "tool_choice", "reasoning_effort", "top_logprobs")
 COMPLETION_FIELDS = ("echo",)
-MAX_CHAT_LOGPROBS, MAX_COMPLETION_LOGPROBS, MAX_BIAS = 20, 5, 100  # OpenAI's ranges
+MAX_CHAT_LOGPROBS, MAX_BIAS = MAX_LOGPROBS, int(_MAX_BIAS)  # OpenAI's ranges, as the engine checks them
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def refuse_unsupported(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> None:
@@ -129,11 +130,6 @@ def refuse_unsupported(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> 
         value = body.get(name)
         if value is not None and not noop(value):
             raise _bad(f"{reason}; got {name} = {_short(value)}", name)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[str, Any], bool, bool]:
@@ -327,6 +323,7 @@ class Chat:
     prompt: str | list[int]
     thinking: bool
     tool_choice: str  # "auto", "none", "required" or the name of the function it forces
+    functions: list[dict[str, Any]]  # the request's tools, checked (`encoding.check_tools`)
 
 
 def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
@@ -341,7 +338,7 @@ def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
             options = ChatOptions(thinking=thinking, reasoning_effort=body.get("reasoning_effort"),
                                   tools=functions and body["tools"], tool_choice=body.get("tool_choice"),
                                   response_format=rf if isinstance(rf, dict) and rf.get("type") != "text" else None)
-            return Chat(encode_messages(tokenizer, msgs, options), thinking, choice)
+            return Chat(encode_messages(tokenizer, msgs, options), thinking, choice, functions)
     except EncodingError as e:
         raise _bad(str(e), e.param) from None
     if functions and choice != "none":  # no chat template: refused where they would change the prompt
@@ -349,7 +346,7 @@ def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
     if body.get("reasoning_effort") not in (None, "none"):
         raise _bad("this model has no chat template, so no reasoning_effort", "reasoning_effort")
     try:
-        return Chat(chat_prompt(tokenizer, msgs, thinking=thinking), thinking, choice)
+        return Chat(chat_prompt(tokenizer, msgs, thinking=thinking), thinking, choice, functions)
     except TokenizerError as e:
         raise _bad(str(e), "messages") from None
 
@@ -362,9 +359,9 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
         if "structured" in params:
             raise _bad("tool_choice required or named cannot be combined with a structured output field",
                        "tool_choice")
-        params["structured"] = {"ebnf": tool_call_ebnf(check_tools(body.get("tools")), None if
+        params["structured"] = {"ebnf": tool_call_ebnf(chat.functions, None if
                                                        chat.tool_choice == "required" else chat.tool_choice)}
-    tools = body.get("tools") if chat.tool_choice != "none" and body.get("tools") else None
+    tools = body["tools"] if chat.tool_choice != "none" and chat.functions else None
     lp = chat_logprobs(body, params)
     return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,
                   logprobs=lp, n=n_of(body))

@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from dsv4.http.errors import ApiError
+from dsv4.http.errors import bad as _error
+from dsv4.http.errors import short as _short
 
 # vLLM's key -> dsv4's kind
 _VLLM = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
@@ -28,16 +29,6 @@ _VLLM = {"json": "json_schema", "json_object": "json_object", "regex": "regex", 
 _GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "ebnf"}
 FIELDS = ("response_format", "structured_outputs", *_GUIDED)  # the body fields this module reads
-
-
-def _error(message: str, param: str) -> ApiError:
-    """A 400 for a structured-output field of the wrong shape, naming the field."""
-    return ApiError(400, message, param)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _schema(value: Any, field: str) -> Any:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping, Sequence
 
-DSML = "｜DSML｜"
+from dsv4.agents.encoding import DSML
 
 _JSON_RULES = r'''
 ws ::= [ \n\t]{0,4}
