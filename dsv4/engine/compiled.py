@@ -193,7 +193,7 @@ class CompiledSteps:
             return []
         new = []
         for kind, n in self.missing():
-            if (kind, n) in self.slower or not artifacts.present(self.model, self.state, kind, n, self.cache_dir):
+            if not artifacts.present(self.model, self.state, kind, n, self.cache_dir):  # missing(): not slower
                 continue
             if self._from_artifact(kind, n, build=False) and self._wins(kind, n):
                 self.ready[(kind, n)] = True

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .sampling import adjust_logits, keyed_sample, logits_to_probs
+from .sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors
 
 if TYPE_CHECKING:
     from .request import Request
@@ -69,9 +69,7 @@ def propose(
     fallback = finite_argmax(x).tolist()
     ps = [reqs[i].params for i in sampled]
     x = adjust_logits(x, ps, [reqs[i].prompt_ids for i in sampled], [outputs[i] for i in sampled])
-    t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=x.device)  # noqa: E731
-    q = logits_to_probs(x, t([p.temperature for p in ps], torch.float32), t([p.top_k for p in ps], torch.long),
-                        t([p.top_p for p in ps], torch.float32), t([p.min_p for p in ps], torch.float32))
+    q = logits_to_probs(x, *params_tensors(ps, x.device))
     good = torch.tensor(ok, device=q.device) & torch.isfinite(q).all(dim=-1) & (q.sum(dim=-1) > 0)
     one_hot = torch.zeros_like(q).scatter_(-1, torch.tensor(fallback, device=q.device)[:, None], 1.0)
     q = torch.where(good[:, None], q / q.sum(dim=-1, keepdim=True).clamp_min(1e-30), one_hot)

@@ -26,7 +26,8 @@ from .metrics import EngineMetrics, RequestMetrics
 from .logprobs import TokenTexts
 from .ranks import RankError, Ranks, gather_weight_bytes
 from .request import Request, RequestError
-from .runner import Runner, StepResult
+from .runner import Runner
+from .verify import StepResult
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .spec_policy import SpecPolicy
@@ -149,9 +150,7 @@ class Engine:
         self._ids = itertools.count()
         self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
         tok = self.tokenizer  # structured outputs: xgrammar over this vocabulary, built at the first use
-        self.grammars = Grammars(tok, config.model_config.vocab_size,
-                                 self.scheduler.eos_token_id if self.scheduler.eos_token_id is not None
-                                 else (tok.eos_id if tok is not None else None),
+        self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
                                  think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
                                  think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None)
 
@@ -297,7 +296,7 @@ class Engine:
             res = results.get(req.slot) if start + n == req.num_prompt_tokens else None
             toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
             if res is not None:
-                outs.append(self._emit(req, toks, res.sources, now, res))
+                outs.append(self._emit(req, toks, res, now))
         for req, n in plan.decodes:
             res = results[req.slot]
             if self.policy is not None and res.num_drafted:
@@ -305,7 +304,7 @@ class Engine:
             toks = self.scheduler.on_decode_done(req, res.tokens)
             if res.num_drafted:  # drafts cut at EOS/limits do not count
                 self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))
-            outs.append(self._emit(req, toks, res.sources, now, res))
+            outs.append(self._emit(req, toks, res, now))
         # status counts tokens as they stream (not when their requests end)
         self.metrics.on_output(sum(n for _, _, n in plan.prefills), sum(len(o.token_ids) for o in outs if o), now)
         if self.policy is not None:
@@ -314,8 +313,7 @@ class Engine:
                 self.policy.observe_overhead(time.perf_counter() - t_step - timed["verify"] - timed["draft"])
         return [o for o in outs if o is not None]
 
-    def _emit(self, req: Request, toks: list[int], sources: list[str], now: float,
-              res: StepResult | None = None) -> RequestOutput | None:
+    def _emit(self, req: Request, toks: list[int], res: StepResult, now: float) -> RequestOutput | None:
         track = self._tracks.get(req.request_id)
         if track is None:  # aborted meanwhile
             return None
@@ -335,10 +333,10 @@ class Engine:
                 if req.is_finished:
                     text.append(track.stop.flush())
         track.metrics.on_tokens(len(toks), now)
-        out = RequestOutput(req.request_id, "".join(text), list(toks), list(sources[: len(toks)]))
-        if res is not None and res.logprobs is not None:  # cut where the tokens were cut
+        out = RequestOutput(req.request_id, "".join(text), list(toks), list(res.sources[: len(toks)]))
+        if res.logprobs is not None:  # cut where the tokens were cut
             out.logprobs = self.token_texts.entries(res.logprobs[: len(toks)])
-        if res is not None and res.prompt_logprobs is not None:
+        if res.prompt_logprobs is not None:
             out.prompt_logprobs = self.token_texts.entries(res.prompt_logprobs)
         if req.is_finished:
             track.metrics.on_finish(now)

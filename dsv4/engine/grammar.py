@@ -203,11 +203,6 @@ class GrammarState:
     def last_mask(self, drafts: Sequence[int], out: torch.Tensor, row: int) -> bool:
         """Fill row `row` of `out` with the mask after `drafts` (an MTP draft's); False when
         that position is free (thinking, or a draft the grammar refused)."""
-        if not drafts:  # the common case: the state the step left
-            live = self.active and not self.matcher.is_terminated()
-            if live:
-                self.matcher.fill_next_token_bitmask(out, row)
-            return live
         return self.masks(drafts, out, row - len(drafts), last_only=True)[-1]
 
     def commit(self, tokens: Sequence[int]) -> None:

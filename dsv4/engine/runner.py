@@ -55,8 +55,6 @@ from .logprobs import TokenLogprob
 from .spec_policy import SpecPolicy
 from .verify import StepResult, prompt_logprobs, sample_verify
 
-__all__ = ["Runner", "StepResult"]
-
 if TYPE_CHECKING:
     from .compiled import CompiledSteps
 

@@ -139,10 +139,19 @@ def adjust_logits(
         dev = x.device
         x.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
                      torch.tensor(vals, device=dev), accumulate=True)
-    if any(p.penalized for p in params):
-        x = apply_penalties(x, prompts, outputs, [p.repetition_penalty for p in params],
-                            [p.presence_penalty for p in params], [p.frequency_penalty for p in params])
+    pen = [i for i, p in enumerate(params) if p.penalized]  # rows without penalties are left as they are
+    if pen:
+        x[pen] = apply_penalties(x[pen], [prompts[i] for i in pen], [outputs[i] for i in pen],
+                                 [params[i].repetition_penalty for i in pen], [params[i].presence_penalty for i in pen],
+                                 [params[i].frequency_penalty for i in pen])
     return x
+
+
+def params_tensors(params: Sequence[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(temperature, top_k, top_p, min_p) tensors of N rows, as `logits_to_probs` takes them."""
+    t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
+    return (t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.long),
+            t([p.top_p for p in params], torch.float32), t([p.min_p for p in params], torch.float32))
 
 
 # ------------------------------------------------------------------ logits -> probs

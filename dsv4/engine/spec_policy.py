@@ -170,7 +170,7 @@ class SpecPolicy:
 
     def choose(self, batch: int) -> int:
         """The K for the next step's drafts, for `batch` decoding requests."""
-        if self.max_k == 0 or batch <= 0 or not self.verify.points:
+        if self.max_k == 0 or batch <= 0 or not self.verify.shape:
             return self.k
         rates = [self.throughput(batch, k) for k in range(self.max_k + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))

@@ -30,12 +30,11 @@ import torch
 
 from .grammar import apply_masks, new_bitmask
 from .logprobs import TokenLogprob, gather
-from .sampling import adjust_logits, keyed_sample, logits_to_probs, processed_logprobs, sample, verify_greedy, \
-    verify_sampled
+from .sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors, processed_logprobs, sample, \
+    verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
     from .request import Request
-    from .sampling import SamplingParams
 
 # (request, first logits row, rows, drafts or None for a finished prefill)
 Sample = tuple["Request", int, int, "list[int] | None"]
@@ -53,13 +52,6 @@ class StepResult:
     prompt_logprobs: list[TokenLogprob] | None = None  # the whole prompt's (the first without logprob)
 
 
-def _rows_params(params: Sequence["SamplingParams"], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(temperature, top_k, top_p, min_p) tensors of N rows."""
-    t = lambda vals, dt: torch.tensor(vals, dtype=dt, device=device)  # noqa: E731
-    return (t([p.temperature for p in params], torch.float32), t([p.top_k for p in params], torch.long),
-            t([p.top_p for p in params], torch.float32), t([p.min_p for p in params], torch.float32))
-
-
 def target_rows(logits: torch.Tensor, samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of `logits` [R, V] -> (adjusted logits [R, V], probabilities [R, V]); when every
     row is greedy the probabilities are the adjusted logits themselves (argmax is all greedy needs)."""
@@ -69,11 +61,12 @@ def target_rows(logits: torch.Tensor, samples: Sequence[Sample]) -> tuple[torch.
     ps = [r.params for r in reqs]
     if any(p.adjusted for p in ps):
         # row j of a decode comes after drafts 1..j: they count as output for its penalties
-        outs = [r.output_ids + (drafts or [])[:j] for r, _, n, drafts in samples for j in range(n)]
+        outs = ([r.output_ids + (drafts or [])[:j] for r, _, n, drafts in samples for j in range(n)]
+                if any(p.penalized for p in ps) else [[]] * len(ps))  # only penalties read the outputs
         logits = adjust_logits(logits, ps, [r.prompt_ids for r in reqs], outs)
     if all(p.greedy for p in ps):
         return logits, logits
-    return logits, logits_to_probs(logits, *_rows_params(ps, logits.device))
+    return logits, logits_to_probs(logits, *params_tensors(ps, logits.device))
 
 
 def sample_verify(samples: Sequence[Sample], logits: torch.Tensor,
@@ -136,7 +129,7 @@ def attach_logprobs(samples: Sequence[Sample], adjusted: torch.Tensor, results: 
         toks.extend(res.tokens)
         ps.extend([req.params] * len(res.tokens))
     x = adjusted[torch.tensor(rows, dtype=torch.long, device=adjusted.device)]  # [W, V]
-    got = gather(processed_logprobs(x, *_rows_params(ps, x.device)), toks, [p.logprobs for p in ps])
+    got = gather(processed_logprobs(x, *params_tensors(ps, x.device)), toks, [p.logprobs for p in ps])
     i = 0
     for req, _ in want:
         res = results[req.slot]

@@ -120,18 +120,10 @@ class MoE(nn.Module):
             out = routed(out, x, weights, idx, self.stacked, self.local.start, len(self.experts),
                          self.experts[self.local.start].limit)
             return cast(parallel.all_reduce(out), x.dtype)
-        # unfused (or training): expert by expert through the modules
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tok = order // idx.shape[1]
-        wsorted = weights.flatten()[order]
-        start = 0
-        for e, c in enumerate(counts):
-            if c and e in local:
-                t = tok[start:start + c]
-                out.index_add_(0, t, f32(self.experts[e](x[t], wsorted[start:start + c])))
-            start += c
+        # unfused (or training): expert by expert through the modules, grouped as `routed` groups
+        for e, t, w in _groups(idx, weights, local.start, len(local), len(self.experts)):
+            y = f32(self.experts[local.start + e](x if t is None else x[t], w))
+            out = out + y if t is None else out.index_add(0, t, y)
         return cast(parallel.all_reduce(out), x.dtype)
 
     def _stacked_current(self) -> bool:
