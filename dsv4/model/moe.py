@@ -160,16 +160,16 @@ def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: tor
     if st is None:
         raise RuntimeError("the traced MoE needs fused experts (DeepseekV4.fuse_projections)")
     lo, E = moe.local.start, len(moe.local)
+    lim = moe.experts[lo].limit
+    if st["w13"][0].numel() * st["w13"].element_size() >= OPAQUE_MIN_BYTES:  # grouped by `routed`, global ids
+        return torch.ops.dsv4.moe_routed(out, x, weights, idx, st["w13"], st["w2"], st.get("s13"), st.get("s2"),
+                                         lim, lo, len(moe.experts))
     idx, perm = idx.sort(dim=-1)
     weights = weights.gather(1, perm)
     if E != len(moe.experts):  # expert parallelism: other ranks' experts weigh nothing here
         mine = (idx >= lo) & (idx < lo + E)
         weights, idx = weights.masked_fill(~mine, 0.0), (idx - lo).clamp(0, E - 1)
     T, k = idx.shape
-    lim = moe.experts[lo].limit
-    if st["w13"][0].numel() * st["w13"].element_size() >= OPAQUE_MIN_BYTES:
-        return torch.ops.dsv4.moe_routed(out, x, weights, idx, st["w13"], st["w2"], st.get("s13"), st.get("s2"),
-                                         lim)
     if T * k > GATHER_MAX * E:  # every expert, densely: zero weight for the unchosen
         weights = torch.zeros(T, E, dtype=weights.dtype, device=x.device).scatter(1, idx, weights)
         idx = None
@@ -276,13 +276,14 @@ def _groups(idx: torch.Tensor, weights: torch.Tensor, lo: int, E: int, n_experts
 
 @torch.library.custom_op("dsv4::moe_routed", mutates_args=())
 def moe_routed(acc: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, s13: Optional[torch.Tensor], s2: Optional[torch.Tensor], limit: float) -> torch.Tensor:
-    """`routed` (the eager grouped MoE) on local expert indices idx [T, k], as one op a
-    compiled step calls without tracing it."""
+               w2: torch.Tensor, s13: Optional[torch.Tensor], s2: Optional[torch.Tensor], limit: float,
+               lo: int, n_experts: int) -> torch.Tensor:
+    """`routed` (the eager grouped MoE) on global expert ids idx [T, k] (this rank's: lo ..
+    lo + len(w13) - 1, of n_experts), as one op a compiled step calls without tracing it."""
     st = {"w13": w13, "w2": w2, **({"s13": s13, "s2": s2} if s13 is not None else {})}
-    return routed(acc.clone(), x, weights, idx, st, 0, w13.shape[0], limit)
+    return routed(acc.clone(), x, weights, idx, st, lo, n_experts, limit)
 
 
 @moe_routed.register_fake
-def _moe_routed_fake(acc, x, weights, idx, w13, w2, s13, s2, limit) -> torch.Tensor:
+def _moe_routed_fake(acc, x, weights, idx, w13, w2, s13, s2, limit, lo, n_experts) -> torch.Tensor:
     return torch.empty_like(acc)

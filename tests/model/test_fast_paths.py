@@ -188,3 +188,20 @@ def test_traced_moe_equals_eager(quantized, T, opaque, monkeypatch):
     assert torch.allclose(got, ref, atol=1e-5, rtol=1e-5)
     if opaque:
         assert torch.equal(got, ref)
+
+
+def test_opaque_moe_on_one_ranks_experts_equals_eager(monkeypatch):
+    """Under expert parallelism the opaque op takes the global expert ids and runs this rank's
+    experts only (no zero-weight GEMMs for the others'): equal to the eager grouped MoE."""
+    monkeypatch.setattr("dsv4.model.moe.OPAQUE_MIN_BYTES", 0)
+    model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    moe = model.layers[1].ffn
+    moe.local = range(2, 6)  # this rank's experts
+    moe.fuse()
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 100, (5,), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref = moe(x, ids)
+        weights, idx = moe.gate(x, ids)
+        got = gathered(layers.f32(moe.shared_experts(x)), x, weights, idx, moe)
+    assert torch.equal(got, ref)
