@@ -384,3 +384,20 @@ def yarn_inv_freq(dim: int, base: float, yarn: YarnParams | None):
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrap = 1 - ramp
     return 1.0 / (yarn.factor * pos_freqs) * (1 - extrap) + inv * extrap
+
+
+def state_block_size(cfg: ModelConfig) -> int:
+    """Positions per block of compressed state: the smallest multiple of every compression
+    ratio that is at least 256 (256 for V4's ratios 4 and 128, and the embedded model's 4 and 16)."""
+    lcm = math.lcm(*[r for r in cfg.compress_ratios if r > 0] or [1])
+    return -(-256 // lcm) * lcm
+
+
+def block_entry_bytes(cfg: ModelConfig, block_size: int, elem_size: int) -> int:
+    """Bytes one block holds over every layer: the compressed entries (head_dim each) and, in
+    CSA layers, the indexer keys (index_head_dim each) of its block_size positions."""
+    n = 0
+    for kind, r in zip(cfg.layer_kinds, cfg.compress_ratios):
+        if r:
+            n += block_size // r * (cfg.head_dim + (cfg.index_head_dim if kind == CSA else 0))
+    return n * elem_size

@@ -203,7 +203,8 @@ def bench(
     max_model_len: O.MaxModelLen = None, max_num_batched_tokens: O.MaxBatched = None,
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, threads: O.Threads = None, quantization: O.Quantization = None,
-    compile: O.Compile = None, tensor_parallel_size: O.TensorParallel = None,
+    compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
+    enable_prefix_caching: O.PrefixCaching = None, tensor_parallel_size: O.TensorParallel = None,
 ) -> None:
     levels = _int_list("--concurrency", concurrency)
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
@@ -214,7 +215,9 @@ def bench(
         local, model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens, long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
-        threads=threads, quantization=quantization, compile=compile, tensor_parallel_size=tensor_parallel_size)
+        threads=threads, quantization=quantization, compile=compile,
+        kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size)
     from dsv4.daemon.paths import resolve_endpoint
 
     if http is not None and local:

@@ -66,7 +66,8 @@ def serve(
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
-    compile: O.Compile = None,
+    compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
+    enable_prefix_caching: O.PrefixCaching = None,
     nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
     http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None,
@@ -83,6 +84,7 @@ def serve(
                          long_prefill_token_threshold=long_prefill_token_threshold,
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
+                         kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                          tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     if detach and O.under_torchrun():

@@ -122,7 +122,7 @@ MaxNumSeqs = Annotated[Optional[int], typer.Option(
     help="Most requests running at once (state slots) [default: 8]")]
 MaxModelLen = Annotated[Optional[int], typer.Option(
     "--max-model-len", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
-    help="Most tokens (prompt + output) of one request [default: min(model maximum, 2048)]")]
+    help="Most tokens (prompt + output) of one request [default: the model's maximum]")]
 MaxBatched = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
     help="Token budget of one engine step [default: prefill limit + max-num-seqs * (1 + K)]")]
@@ -158,6 +158,15 @@ Compile = Annotated[Optional[bool], typer.Option(
          "not cached under $XDG_CACHE_HOME/dsv4/inductor); falls back to eager where it cannot. Neither "
          "flag: the cached buckets load, and serve builds the others in the background [default: "
          "$DSV4_COMPILE (auto, on, off), else auto]")]
+KvCacheMemory = Annotated[Optional[str], typer.Option(
+    "--kv-cache-memory", metavar="SIZE", rich_help_panel=ENGINE_PANEL,
+    help="Memory for the requests' compressed state, a pool of blocks shared by every request and the "
+         "prefix cache: bytes (e.g. 2GiB, 512M) or a fraction of this machine's memory (e.g. 0.2) [default: "
+         "max-num-seqs requests at max-model-len, within a quarter of the machine's memory, at least one]")]
+PrefixCaching = Annotated[Optional[bool], typer.Option(
+    "--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=ENGINE_PANEL, show_default=False,
+    help="Reuse the state of a prompt's cached prefix (whole blocks of 256 tokens) instead of prefilling it "
+         "again [default: on]")]
 TensorParallel = Annotated[Optional[int], typer.Option(
     "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
     help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
@@ -187,7 +196,7 @@ ENGINE_FLAGS = {
     "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
     "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
-    "compile": "--compile",
+    "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
 }
 
 
@@ -229,8 +238,8 @@ def engine_argv(kw: dict[str, Any]) -> list[str]:
     argv: list[str] = []
     for key, value in kw.items():
         flag = ENGINE_FLAGS[key]
-        if key == "enable_chunked_prefill":
-            argv.append(flag if value else "--no-enable-chunked-prefill")
+        if key in ("enable_chunked_prefill", "enable_prefix_caching"):
+            argv.append(flag if value else flag.replace("--enable-", "--no-enable-"))
         elif key == "compile":
             if value != "auto":  # auto: the default, also where the argv is read again
                 argv.append(flag if value else "--no-compile")

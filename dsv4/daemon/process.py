@@ -104,7 +104,7 @@ SETTING_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
-    "compile": "--compile",
+    "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
 }
 
 

@@ -77,9 +77,9 @@ class Step(nn.Module):
         if self.kind == "mtp":
             hidden, *ts = rest
             st = state.rebound(list(ts))
-            return self.model.mtp_forward(Batch.static_step(ids, pos, slots, st.max_len), hidden, st)
+            return self.model.mtp_forward(Batch.static_step(ids, pos, slots, st.static_len), hidden, st)
         st = state.rebound(list(rest))
-        return self.model.forward_batch(Batch.static_step(ids, pos, slots, st.max_len), st)
+        return self.model.forward_batch(Batch.static_step(ids, pos, slots, st.static_len), st)
 
 
 def cpu_isa() -> str:
@@ -139,7 +139,7 @@ def model_signature(model: DeepseekV4) -> str:
 def artifact_key(model: DeepseekV4, state: ModelState, kind: str, n: int, model_sig: str | None = None) -> str:
     """The package's name: sha256 of everything its code depends on (module docstring)."""
     parts = {"model": model_sig or model_signature(model), "kind": kind, "bucket": n,
-             "state": [_sig(t) for t in state.tensors()], "max_len": state.max_len,
+             "state": [_sig(t) for t in state.tensors()], "max_len": state.max_len, "static_len": state.static_len,
              "rank": parallel.rank(), "world": parallel.world_size(), "torch": torch.__version__,
              "isa": cpu_isa(), "code": _source_hash(), "device": str(model.embed.weight.device.type)}
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

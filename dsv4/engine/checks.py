@@ -169,3 +169,35 @@ def weight_names(model_dir: Path) -> set[str]:
         return tensor_names(model_dir)
     except CheckpointError as e:
         raise EngineConfigError(f"--model {model_dir}: {e}") from None
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def machine_memory(device: str) -> int:
+    """Bytes of memory of the device the state lives on (CPU: the machine's physical memory)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_properties(torch.device(device)).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def parse_memory(value: Any, device: str) -> int:
+    """--kv-cache-memory: bytes (an integer, or a number with a unit: 512M, 2GiB) or a fraction
+    0 < f <= 1 of `machine_memory` -> bytes."""
+    import re
+
+    text = str(value).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)", text)
+    if m is None or m.group(2) not in _UNITS:
+        raise EngineConfigError(f"--kv-cache-memory must be bytes (e.g. 2GiB, 512M, 1000000) or a fraction of "
+                                f"memory (e.g. 0.2), got {value!r}")
+    number = float(m.group(1))
+    if not m.group(2) and 0 < number <= 1 and "." in m.group(1):
+        return int(number * machine_memory(device))
+    n = int(number * _UNITS[m.group(2)])
+    if n < 1:
+        raise EngineConfigError(f"--kv-cache-memory must be positive, got {value!r}")
+    return n

@@ -107,9 +107,7 @@ def main() -> int:
     model = load_model(config.model, device=config.device, dtype=config.torch_dtype,
                        quantization=config.quantization)
     # the same state shapes as the engine's runner: a package is keyed by them
-    runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                    max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                    device=torch.device(config.device), scratch_slot=True)
+    runner = Runner.for_config(model, config, torch.device(config.device), scratch_slot=True)
     steps = CompiledSteps.for_config(model, runner.state, config, private_cache_dir())
     steps.time_buckets = False  # the engine times what it loads
     steps.capture(build=False)  # what is there already

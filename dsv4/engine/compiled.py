@@ -55,7 +55,7 @@ class CompiledSteps:
         self.cache_dir = cache_dir  # from private_cache_dir(): checked again before each bucket's compile
         self.model, self.state, self.device = model, state, model.embed.weight.device
         for rope in (model.rope_main, model.rope_compress):  # grown now: the graph reads them as they are
-            rope.ensure(state.max_len + 1)
+            rope.ensure(state.static_len + 1)
         self.scratch = state.max_slots - 1
         self.buckets = buckets(max_tokens)
         self.ready: dict[tuple[str, int], bool] = {}  # (main | mtp, bucket) -> captured
@@ -102,12 +102,12 @@ class CompiledSteps:
     def _main_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What each main bucket compiles: ids, pos, slots [n] -> (hidden [n, hc, D], logits [n, V])."""
-        return self.model.forward_batch(Batch.static_step(ids, pos, slots, self.state.max_len), self.state)
+        return self.model.forward_batch(Batch.static_step(ids, pos, slots, self.state.static_len), self.state)
 
     def _mtp_step(self, ids: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """What each MTP bucket compiles: (ids, pos, slots [n], hidden [n, hc, D]) -> (z, logits)."""
-        batch = Batch.static_step(ids, pos, slots, self.state.max_len)
+        batch = Batch.static_step(ids, pos, slots, self.state.static_len)
         return self.model.mtp_forward(batch, hidden, self.state)
 
     @torch.inference_mode()
@@ -169,7 +169,7 @@ class CompiledSteps:
         else:
             fn = self._main if kind == "main" else self._mtp
             compiled = lambda: fn(ids, pos, slots, *extra)  # noqa: E731
-        batch = lambda: Batch.static_step(ids, pos, slots, self.state.max_len)  # noqa: E731
+        batch = lambda: Batch.static_step(ids, pos, slots, self.state.static_len)  # noqa: E731
         eager = ((lambda: self.model.forward_batch(batch(), self.state)) if kind == "main"
                  else (lambda: self.model.mtp_forward(batch(), hidden, self.state)))
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -229,7 +229,8 @@ class CompiledSteps:
 
     def _bucket(self, kind: str, batch: Batch) -> int | None:
         T = batch.input_ids.shape[0]
-        if T == 0 or T > self.buckets[-1] or any(n >= ROW_MIN for _, _, n in batch.rows):
+        if (T == 0 or T > self.buckets[-1] or any(n >= ROW_MIN for _, _, n in batch.rows)
+                or batch.top() >= self.state.static_len):  # a context past the captured span: eager
             return None
         n = next(b for b in self.buckets if b >= T)
         return n if self.ready.get((kind, n)) else None

@@ -18,8 +18,12 @@ fields of a built config always hold concrete values (except `profile_dir`):
 * `prefill_limit` None -> the model's prefill limit (128 for DeepSeek V4);
 * `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
   prefill chunk fits beside a full batch of decode steps;
-* `max_model_len` None -> min(max_position_embeddings, 2048), and in single-dispatch
-  mode also at most the single-dispatch limit;
+* `max_model_len` None -> max_position_embeddings (the model's whole context), and in
+  single-dispatch mode at most the single-dispatch limit;
+* `kv_cache_memory` (bytes, "2GiB", or a fraction of memory) -> `kv_cache_blocks`, the
+  pool of state blocks of `block_size` positions; None -> max_num_seqs requests at
+  max_model_len, within a quarter of the machine's memory. A pool that cannot hold one
+  request at max_model_len is refused, naming the bytes;
 * `quantization` None -> as the checkpoint is stored: "w8a8" for a `dsv4 convert`
   output, else "none".
 * `tensor_parallel_size` None -> WORLD_SIZE under torchrun (`launch`, see engine/launch.py),
@@ -37,14 +41,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4.config import ConfigError, ModelConfig
+from dsv4.config import ConfigError, ModelConfig, block_entry_bytes, state_block_size
 
 from .checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
-                     check_tensor_parallel, resolve_dtype, resolve_quantization, weight_names)
+                     check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
+                     weight_names)
 from .launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
-DEFAULT_MAX_MODEL_LEN = 2048
 MTP_PREFIX = "mtp.0."
 
 
@@ -77,11 +81,15 @@ class EngineConfig:
     # --compile: decode dispatches captured per bucket at startup (engine/compiled.py); "auto" (the
     # CLI's default): the buckets cached load, serve builds the others in the background
     compile: bool | str = False
+    kv_cache_memory: int | float | str | None = None  # --kv-cache-memory; built: bytes of the block pool
+    enable_prefix_caching: bool = True
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
     sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
     launch: Launch | None = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
+    block_size: int = field(init=False, compare=False)  # positions per block of compressed state
+    kv_cache_blocks: int = field(init=False, compare=False)  # blocks in the pool
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -177,7 +185,7 @@ class EngineConfig:
         max_pos = mc.max_position_embeddings
         mml = self.max_model_len
         if mml is None:
-            mml = min(max_pos, DEFAULT_MAX_MODEL_LEN)
+            mml = max_pos
             if self.single_dispatch:
                 mml = min(mml, self.single_dispatch_limit)
         check_int("--max-model-len", mml, minimum=2, hint="one prompt token plus one generated token")
@@ -200,6 +208,37 @@ class EngineConfig:
                 f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill limit "
                 f"{lim} of deepseek_v4; enable chunked prefill or lower --max-model-len to {lim}")
         set_("max_model_len", mml)
+        self._size_pool()
+
+    def _size_pool(self) -> None:
+        """Resolve the block pool (module docstring); refuse one that cannot hold a request at
+        max_model_len."""
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise EngineConfigError(f"--enable-prefix-caching must be true or false, got {self.enable_prefix_caching!r}")
+        mc, mml = self.model_config, self.max_model_len
+        block = state_block_size(mc)
+        per_block = block_entry_bytes(mc, block, self.torch_dtype.itemsize)
+        one = -(-(mml + self.num_speculative_tokens + 1) // block)  # the runner's positions of one request
+        if self.kv_cache_memory is not None:
+            budget = parse_memory(self.kv_cache_memory, self.device)
+            blocks = budget // per_block
+            if blocks < one:
+                raise EngineConfigError(
+                    f"--kv-cache-memory {self.kv_cache_memory} ({budget} bytes) holds {blocks} blocks of {block} "
+                    f"positions, but one request at --max-model-len {mml} needs {one} ({one * per_block} bytes); "
+                    f"raise --kv-cache-memory to {one * per_block} or lower --max-model-len")
+        else:
+            cap = machine_memory(self.device) // 4
+            if one * per_block > cap:
+                raise EngineConfigError(
+                    f"one request at --max-model-len {mml} needs {one * per_block} bytes of state, more than a "
+                    f"quarter of this machine's memory ({cap} bytes); lower --max-model-len or set "
+                    f"--kv-cache-memory")
+            blocks = max(one, min(self.max_num_seqs * one, cap // per_block))
+        set_("block_size", block)
+        set_("kv_cache_blocks", blocks)
+        set_("kv_cache_memory", blocks * per_block)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -260,6 +299,10 @@ class EngineConfig:
             f"CPU threads {self.threads}; default sampling "
             + (", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()) + " (generation_config.json)"
                if self.sampling_defaults else "greedy (no generation_config.json)"),
+            f"state pool {self.kv_cache_blocks} blocks of {self.block_size} positions "
+            f"({self.kv_cache_blocks * self.block_size} tokens, {self.kv_cache_memory / 2**20:.1f} MiB); "
+            f"longest request {self.max_model_len} tokens; prefix caching "
+            + ("on" if self.enable_prefix_caching else "off"),
             "chunked prefill with speculative decoding: "
             + ("supported" if self.model_config.speculation_spans_chunks
                else "not supported by this model (prompts go in one dispatch when K > 0)"),

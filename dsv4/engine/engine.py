@@ -22,6 +22,7 @@ import torch
 
 from ..model.loader import load_model
 from .config import EngineConfig
+from .kvcache import BlockManager, saved_limit
 from .metrics import EngineMetrics, RequestMetrics
 from .logprobs import TokenTexts
 from .ranks import RankError, Ranks, gather_weight_bytes
@@ -125,12 +126,12 @@ class Engine:
             raise
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
         self.weight_bytes = self.rank_weight_bytes[0]
-        self.scheduler = Scheduler.from_config(config)
+        self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config))
         # auto K: the policy picks 0..num_speculative_tokens per step, from costs timed now and while serving
         self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
-        self.runner = Runner(self.model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                             max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                             device=self.device, policy=self.policy, scratch_slot=config.compile is not False)
+        self.runner = Runner.for_config(self.model, config, self.device, self.policy,
+                                        scratch_slot=config.compile is not False)
+        self.scheduler.kv.max_saved = saved_limit(config, self.runner.state)
         self.compile_note = ""  # the banner's line
         if config.compile:
             from .compile_start import start_compiled
@@ -281,7 +282,7 @@ class Engine:
         if self.policy is not None:  # the drafts this step makes, for the requests that will decode
             self.runner.k_draft = self.policy.choose(sum(1 for r in self.scheduler.running if r.num_spec))
         try:
-            results = self.runner.execute(plan.prefills, plan.decodes)
+            results = self.runner.execute(plan.prefills, plan.decodes, plan.kv)
         except Exception as e:
             if self.ranks is None:
                 raise
@@ -293,7 +294,7 @@ class Engine:
         self.metrics.on_step(sum(n for _, _, n in plan.prefills), sum(n for _, n in plan.decodes), now - t0)
         outs: list[RequestOutput] = []
         for req, start, n in plan.prefills:
-            res = results.get(req.slot) if start + n == req.num_prompt_tokens else None
+            res = results.get(req.slot) if start + n == req.num_prefill_tokens else None
             toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
             if res is not None:
                 outs.append(self._emit(req, toks, res, now))
@@ -378,7 +379,11 @@ class Engine:
             "uptime_s": time.time() - self.started,
             "running": len(s.running),
             "waiting": len(s.waiting),
-            "state_bytes": self.runner.state.nbytes_per_slot() * self.config.max_num_seqs,
+            "state_bytes": (self.runner.state.ring_bytes_per_slot() * self.config.max_num_seqs
+                            + self.config.kv_cache_memory),
+            "max_model_len": self.config.max_model_len,
+            "preemptions": s.num_preemptions,
+            **s.kv.stats(),
             "totals": self.metrics.to_dict(),
         }
 

@@ -56,16 +56,20 @@ def broadcast(obj: Any = None) -> Any:
 
 def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
                  drafts: dict[int, list[int]], k_draft: int,
-                 sync_drafts: bool = False) -> tuple[list, list, int, bool]:
-    """What the other ranks need of one step: (slot, start, n, prompt at start 0 else None,
+                 sync_drafts: bool = False, kv: Any = None) -> tuple[list, list, int, bool, Any]:
+    """What the other ranks need of one step: (slot, start, n, prefill ids at the request's
+    first chunk (start 0, or its prefix-cache hit) else None,
     K, whether the chunk's rows all get logits: prompt logprobs) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, the
     drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K) and whether
     rank 0 sends each MTP depth's drafts (`Runner.sync_drafts`: sampled drafts are rank 0's
-    draws, and the deeper dispatches of every rank must take the same tokens)."""
-    return ([(r.slot, s, n, r.prompt_ids if s == 0 else None, r.num_spec, r.params.prompt_logprobs is not None)
+    draws, and the deeper dispatches of every rank must take the same tokens), and the
+    step's `KVPlan` (block tables, ring loads / saves / drops: every rank keeps its own
+    rings and applies the same plan, so they agree on every hit)."""
+    return ([(r.slot, s, n, r.prefill_ids if s == r.num_cached_tokens else None, r.num_spec,
+              r.params.prompt_logprobs is not None and not r.recomputed)
              for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes], k_draft, sync_drafts)
+             for r, n in decodes], k_draft, sync_drafts, kv)
 
 
 def follow(runner: Any) -> None:
@@ -77,11 +81,12 @@ def follow(runner: Any) -> None:
         if msg is None:
             return
         # auto K: the MTP depth of this step, as rank 0 chose it; sampled drafts: rank 0 sends each depth's
-        pre, dec, runner.k_draft, runner.sync_drafts = msg
+        pre, dec, runner.k_draft, runner.sync_drafts, kv = msg
         prefills, decodes = [], []
         for slot, start, n, prompt, k, prompt_lp in pre:
             if prompt is not None:
-                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot)
+                shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot,
+                                        num_cached_tokens=start)
             shadows[slot].num_spec = k
             shadows[slot].params.prompt_logprobs = 0 if prompt_lp else None  # the same head rows as rank 0
             prefills.append((shadows[slot], start, n))
@@ -90,4 +95,4 @@ def follow(runner: Any) -> None:
             req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
             runner.drafts[slot] = list(drafts)
             decodes.append((req, n))
-        runner.execute(prefills, decodes)
+        runner.execute(prefills, decodes, kv)

@@ -117,9 +117,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     # (fewer drafts than a row's tokens; the calibration's dispatches, collectives included);
     # its choices are never used: every plan carries rank 0's K
     policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
-    runner = Runner(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
-                    max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens,
-                    device=torch.device(dev), policy=policy, scratch_slot=config.compile)
+    runner = Runner.for_config(model, config, torch.device(dev), policy, scratch_slot=bool(config.compile))
     if config.compile:  # as rank 0 does, at the same point: a capture runs collectives
         from .compile_start import start_compiled
 

@@ -58,6 +58,18 @@ class Request:
     # Scheduler bookkeeping.
     num_scheduled_tokens: int = 0  # tokens given to this request by the latest schedule()
     last_scheduled_step: int = -1
+    num_cached_tokens: int = 0  # prefill tokens a prefix-cache hit gave it (usage: cached_tokens)
+    recomputed: int = 0  # outputs its prefill recomputes after a preemption (they stay output)
+    block_hashes: list = field(default_factory=list, repr=False)  # chained hashes of its full prefill blocks
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill computes: the prompt, and after a preemption the outputs it had made."""
+        return self.prompt_ids + self.output_ids[: self.recomputed] if self.recomputed else self.prompt_ids
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return len(self.prompt_ids) + self.recomputed
 
     @property
     def num_prompt_tokens(self) -> int:

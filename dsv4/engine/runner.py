@@ -32,8 +32,14 @@ With `--compile` the decode dispatch of a step without prefill chunks, and every
 dispatch of short rows, run through the captured buckets of `compiled.CompiledSteps`
 (None returned: eager).
 
+With a `BlockManager` (the engine's) the step's `KVPlan` comes along: block tables to
+set, and rings to load (a prefix-cache hit, before the dispatch) or save (a prefill
+chunk ending at its save point, after the MTP): the state's rings with the pending
+hidden row and the MTP backlog, so a hit resumes exactly where that prefill was.
+
 The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
-the current drafts and the MTP backlog. The scheduler owns lengths and token lists.
+the current drafts and the MTP backlog, and the saved rings by key. The scheduler owns
+lengths, token lists and block ids.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .drafting import propose
 from .grammar import draft_masks
+from .kvcache import KVPlan
 from .plan import broadcast, plan_message
 from .request import Request
 from .logprobs import TokenLogprob
@@ -64,7 +71,7 @@ class Runner:
 
     def __init__(self, model: DeepseekV4, *, max_num_seqs: int, max_model_len: int, max_chunk: int,
                  num_spec: int, device: torch.device, policy: SpecPolicy | None = None,
-                 scratch_slot: bool = False):
+                 scratch_slot: bool = False, num_blocks: int | None = None, block_size: int | None = None):
         self.model, self.device, self.num_spec = model, device, num_spec
         self.max_num_seqs = max_num_seqs
         self.compiled: CompiledSteps | None = None  # --compile: captured decode dispatches (engine.py)
@@ -74,9 +81,13 @@ class Runner:
         self.timed = {"verify": 0.0, "draft": 0.0}  # seconds spent in this step's dispatches (auto)
         self.modelled = 0.0  # of which this step's MTP dispatches and catch-ups (auto)
         # scratch_slot: one more slot, owned by no request, that compiled buckets pad into
+        # num_blocks: entries in a pool whose block ids the engine's BlockManager hands out (None:
+        # each slot's max_len up front)
         self.state = model.new_state(max_num_seqs + int(scratch_slot), max_model_len + num_spec + 1,
-                                     max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1)
+                                     max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1,
+                                     num_blocks=num_blocks, block_size=block_size)
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
+        self.saved: dict[bytes, tuple] = {}  # prefix cache: key -> (rings, pending row, MTP backlog)
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
         self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
         self.draft_q: dict[int, torch.Tensor] = {}  # slot -> their distributions [k, V] (unseeded sampled only)
@@ -86,8 +97,18 @@ class Runner:
         # step's, the MTP's drafts) -> drafts
         self.draft_override: Callable[[Request, list[int], list[int]], list[int]] | None = None
 
-    def reset_slot(self, req: Request) -> None:
-        slot = req.slot
+    @classmethod
+    def for_config(cls, model: DeepseekV4, config, device: torch.device, policy: SpecPolicy | None = None,
+                   scratch_slot: bool = False) -> "Runner":
+        """The runner an `EngineConfig` describes (every rank's, and the compile builder's: a
+        compiled package is keyed by the state's shapes)."""
+        return cls(model, max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                   max_chunk=config.effective_chunk_size, num_spec=config.num_speculative_tokens, device=device,
+                   policy=policy, scratch_slot=scratch_slot, num_blocks=config.kv_cache_blocks,
+                   block_size=config.block_size)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget what `slot` held (a new request's first chunk, or a hit's rings to come)."""
         self.state.free(slot)
         self.pending.pop(slot, None)
         self.drafts.pop(slot, None)
@@ -109,6 +130,9 @@ class Runner:
         pol, S, K, cfg = self.policy, self.max_num_seqs, self.num_spec, self.model.cfg
         gen = torch.Generator().manual_seed(0)
         ids = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+        held = [list(self.state.blocks[s]) for s in range(S)]  # managed: none; calibration borrows one each
+        for s in range(S):
+            self.state.assign(s, held[s] or [s % self.state.num_blocks])
         for b, n in sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)}):
             last = torch.arange(n - 1, b * n, n, device=self.device)  # the row each request drafts from
             best_v = best_d = float("inf")
@@ -129,32 +153,66 @@ class Runner:
             pol.draft.calibrate(b * n, best_d)
         for s in range(S):
             self.state.free(s)
+            self.state.assign(s, held[s])
+
+    # ------------------------------------------------------------------ prefix cache
+    def apply(self, kv: KVPlan) -> None:
+        """Before a step's dispatch: block tables, hits' rings (before drops: a key can be
+        loaded and dropped in one step)."""
+        for slot, blocks in kv.tables.items():
+            self.state.assign(slot, blocks)
+        for slot, key in kv.loads.items():
+            rings, pending, backlog = self.saved[key]
+            self.reset_slot(slot)
+            self.state.load_rings(slot, rings)
+            if pending is not None:
+                self.pending[slot] = pending
+            if backlog is not None:
+                self.backlog[slot] = (backlog[0], list(backlog[1]), list(backlog[2]))
+        for key in kv.drops:
+            self.saved.pop(key, None)
+
+    def save(self, kv: KVPlan) -> None:
+        """After a step: the rings of the slots whose prefill reached its save point."""
+        for slot, key in kv.saves.items():
+            bl = self.backlog.get(slot)
+            self.saved[key] = (self.state.save_rings(slot), self.pending.get(slot),
+                               None if bl is None else (bl[0], list(bl[1]), list(bl[2])))
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, prefills: list[tuple[Request, int, int]],
-                decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
+                decodes: list[tuple[Request, int]], kv: KVPlan | None = None) -> dict[int, StepResult]:
         """Run one step; returns results keyed by slot (prefill chunks that are not the
         last have none). Under tensor parallelism rank 0 first sends the plan (`plan`)."""
         if parallel.world_size() > 1 and parallel.rank() == 0:
             # drafts other than the plain argmax (sampled, biased, penalised): rank 0's are sent
             self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy or r.params.adjusted
                                                          or r.grammar is not None for r, *_ in prefills + decodes)
-            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts))
+            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts, kv))
+        if kv is not None:
+            self.apply(kv)
+        results = self._execute(prefills, decodes)
+        if kv is not None:
+            self.save(kv)
+        return results
+
+    def _execute(self, prefills: list[tuple[Request, int, int]],
+                 decodes: list[tuple[Request, int]]) -> dict[int, StepResult]:
         rows, want = [], []  # want: (kind, request, start position, first packed index, n)
         idx, samples = [], []  # packed rows for the head; (request, first logits row, rows, drafts or None)
         pidx, prompt_rows = [], []  # prompt logprobs: their packed rows (after idx's); (request, start, rows)
         off = 0
         for req, start, n in prefills:
             if start == 0:
-                self.reset_slot(req)
-            rows.append((req.slot, start, req.prompt_ids[start:start + n]))
+                self.reset_slot(req.slot)
+            rows.append((req.slot, start, req.prefill_ids[start:start + n]))
             want.append(("prefill", req, start, off, n))
             m = min(n, req.num_prompt_tokens - 1 - start)  # rows followed by a prompt token
-            if req.params.prompt_logprobs is not None and m > 0:
+            if req.params.prompt_logprobs is not None and m > 0 and not req.recomputed:
                 prompt_rows.append((req, start, m))
                 pidx.extend(range(off, off + m))
-            if start + n == req.num_prompt_tokens:  # the last chunk samples the first token
+            if start + n == req.num_prefill_tokens:  # the last chunk samples the first (next) token
                 samples.append((req, len(idx), 1, None))
                 idx.append(off + n - 1)
             off += n
@@ -204,7 +262,7 @@ class Runner:
         for (req, _, _), got in zip(prompt_rows, prompt_logprobs(prompt_rows, logits[n_sample:])):
             self.prompt_lp.setdefault(req.slot, [TokenLogprob(req.prompt_ids[0], None, [])]).extend(got)
         for req, _, _, drafts in samples:  # the first prompt token has no logprob
-            if drafts is None and req.params.prompt_logprobs is not None:
+            if drafts is None and req.params.prompt_logprobs is not None and not req.recomputed:
                 results[req.slot].prompt_logprobs = (self.prompt_lp.pop(req.slot, None)
                                                      or [TokenLogprob(req.prompt_ids[0], None, [])])
         return results
@@ -295,12 +353,13 @@ class Runner:
             slot = req.slot
             res = results.get(slot)
             if kind == "prefill":
+                ids = req.prefill_ids
                 pairs_h = [hidden[o:o + n - 1]]
-                nxt = req.prompt_ids[start + 1:start + n]
+                nxt = ids[start + 1:start + n]
                 t0 = start
-                if start > 0:  # the pending row of the previous chunk
+                if start > 0:  # the pending row of the previous chunk (or of the saved rings: a hit)
                     pairs_h.insert(0, self.pending.pop(slot).unsqueeze(0))
-                    nxt = [req.prompt_ids[start]] + nxt
+                    nxt = [ids[start]] + nxt
                     t0 = start - 1
                 self.pending[slot] = hidden[o + n - 1].clone()
                 if res is not None:  # the last chunk: the first token completes the pending row

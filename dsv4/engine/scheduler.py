@@ -35,6 +35,14 @@ Policy.
 * Decodes: least recently served first, each with all its drafts (`num_spec`, capped by
   the room before max_model_len and max_tokens) or, if that does not fit the budget left,
   not at all this step. The draft count of a request never depends on the others.
+* Blocks (with a `BlockManager`): admission also needs the blocks of the whole prefill
+  (less a prefix-cache hit, which starts the request at its cached length), and each
+  step's rows grow their request's blocks on demand. When none are left, the newest
+  request admitted after the one that needs them is preempted: its blocks are released
+  and it waits at the head of the queue to be recomputed (prompt plus the outputs it had
+  made, a prefix-cache hit where one is left; its output is the same as if it had never
+  stopped). A request that finds no newer one to preempt waits a step. Prefill chunks
+  stop at the prefix cache's save point, so its rings are saved at a block boundary.
 * No starvation: decodes normally go first (steady TPOT). If in the last step some
   request was waiting to prefill and got nothing, prefills go first in this step. So
   a prefill is served at least every other step, and since a prefill-first step always
@@ -50,6 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from dsv4.engine.kvcache import BlockManager, KVPlan
 from dsv4.engine.request import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -66,6 +75,7 @@ class SchedulerOutput:
 
     prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, n)
     decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, 1 + drafts)
+    kv: KVPlan | None = None  # block tables, ring loads / saves / drops (with a BlockManager)
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +101,7 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         eos_token_id: int | None = None,
         vocab_size: int | None = None,
+        kv: BlockManager | None = None,
     ):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("chunk_size", chunk_size)):
@@ -111,6 +122,8 @@ class Scheduler:
         self.spec_limit = num_speculative_tokens  # auto K: the drafts the runner made last step (<= num_spec)
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
+        self.kv = kv  # None: every slot's state is preallocated (no blocks to manage)
+        self.num_preemptions = 0
 
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -120,7 +133,7 @@ class Scheduler:
         self._prefill_first = False  # set when prefills were starved in the last step
 
     @classmethod
-    def from_config(cls, cfg: Any, eos_token_id: int | None = None) -> "Scheduler":
+    def from_config(cls, cfg: Any, eos_token_id: int | None = None, kv: BlockManager | None = None) -> "Scheduler":
         """Build from an `EngineConfig` (or anything with the same attributes)."""
         mc = getattr(cfg, "model_config", None)
         return cls(
@@ -132,6 +145,7 @@ class Scheduler:
             num_speculative_tokens=cfg.num_speculative_tokens,
             eos_token_id=eos_token_id if eos_token_id is not None else getattr(mc, "eos_token_id", None),
             vocab_size=getattr(mc, "vocab_size", None),
+            kv=kv,
         )
 
     # ------------------------------------------------------------------ requests in and out
@@ -153,6 +167,10 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(ids)} tokens, but max_model_len {self.max_model_len} allows "
                                f"at most {self.max_model_len - 1} (one position is kept for output); "
                                f"shorten the prompt or raise --max-model-len")
+        if self.kv is not None and self.kv.blocks_for(len(ids) + 1) > self.kv.num_blocks:
+            raise RequestError(f"the prompt has {len(ids)} tokens, more than the state pool holds "
+                               f"({self.kv.num_blocks * self.kv.block_size} positions); shorten the prompt "
+                               f"or raise --kv-cache-memory")
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.output_ids = []
@@ -171,6 +189,8 @@ class Scheduler:
         else:
             self.running.remove(request)
             heapq.heappush(self._free_slots, request.slot)
+            if self.kv is not None:
+                self.kv.release(request.slot)
         request.slot = None
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
@@ -224,6 +244,8 @@ class Scheduler:
             budget = self._plan_decodes(decoding, budget, out)
             budget = self._plan_prefills(prefilling, budget, out)
         self._prefill_first = bool(prefilling) and not out.prefills
+        if self.kv is not None:
+            out.kv = self.kv.take_plan()
         return out
 
     def _admit(self) -> None:
@@ -243,7 +265,10 @@ class Scheduler:
         while heap and self._free_slots:
             n, _, client = heapq.heappop(heap)
             q = queues[client]
-            pos, req = q.popleft()
+            pos, req = q[0]
+            if self.kv is not None and not self.kv.admit(req, self._free_slots[0]):
+                break  # its blocks are not free yet: it stays first in line
+            q.popleft()
             admitted.add(pos)
             req.slot = heapq.heappop(self._free_slots)
             req.status = RequestStatus.PREFILL
@@ -259,13 +284,20 @@ class Scheduler:
         for req in reqs:
             if budget <= 0:
                 break
-            left = req.num_prompt_tokens - req.num_computed_tokens
+            start = req.num_computed_tokens
+            left = req.num_prefill_tokens - start
             if self.single_dispatch:
                 if left > budget:
                     break  # waits whole for a later step; never split, never overtaken
                 n = left
             else:
                 n = min(left, self.chunk_size, budget)
+                if self.kv is not None and start < (p := self.kv.save_point(req)):
+                    n = min(n, p - start)  # the rings are saved at a block boundary
+            if not self._room(req, start + n):
+                continue
+            if self.kv is not None:
+                self.kv.prefilled(req, start, n)
             out.prefills.append((req, req.num_computed_tokens, n))
             req.num_scheduled_tokens = n
             req.last_scheduled_step = self._step
@@ -279,13 +311,39 @@ class Scheduler:
         fit goes first next step (the budget is at least 1 + K)."""
         for req in sorted(reqs, key=lambda r: r.last_scheduled_step):  # stable: admission order on ties
             n = 1 + self.draft_room(req)
-            if n > budget:
+            if n > budget or not self._room(req, req.num_computed_tokens + n):
                 continue
             budget -= n
             req.num_scheduled_tokens = n
             req.last_scheduled_step = self._step
             out.decodes.append((req, n))
         return budget
+
+    def _room(self, req: Request, end: int) -> bool:
+        """Whether `req` holds the blocks of its positions before `end`, growing them on demand
+        and preempting newer requests not yet planned in this step when none are left."""
+        if self.kv is None:
+            return True
+        need = self.kv.blocks_for(end)
+        while not self.kv.grow(req.slot, need):
+            newer = self.running[self.running.index(req) + 1:]
+            victims = [r for r in newer if r.num_scheduled_tokens == 0]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Release `req`'s slot and blocks; it waits first in line to be recomputed."""
+        self.running.remove(req)
+        heapq.heappush(self._free_slots, req.slot)
+        self.kv.release(req.slot)
+        req.slot = None
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = req.num_cached_tokens = 0
+        req.recomputed = len(req.output_ids)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
 
     def draft_room(self, req: Request) -> int:
         """Most drafts `req` may take now: K (at most `spec_limit`, the drafts auto K had the
@@ -307,7 +365,9 @@ class Scheduler:
             raise ValueError(f"{request!r}: {n} prefill tokens were not scheduled")
         request.num_computed_tokens += n
         request.num_scheduled_tokens = 0
-        last = request.num_computed_tokens == request.num_prompt_tokens
+        if self.kv is not None:
+            self.kv.register(request.slot, self.kv.hashes(request), request.num_computed_tokens)
+        last = request.num_computed_tokens == request.num_prefill_tokens
         if last != (token_id is not None):
             raise ValueError(f"{request!r}: the first output token comes with the last chunk, and only then")
         if not last:

@@ -82,7 +82,7 @@ def sample_verify(samples: Sequence[Sample], logits: torch.Tensor,
     for req, lo, n, drafts in samples:
         p, seed = probs[lo:lo + n], req.params.seed
         # row j predicts the token at sequence position `first + j`
-        first = req.num_prompt_tokens if drafts is None else req.num_computed_tokens + 1
+        first = req.num_tokens if drafts is None else req.num_computed_tokens + 1  # a recompute: after its outputs
         if req.params.greedy:
             target = top[lo:lo + n]
         elif seed is not None:  # keyed draws: the same tokens whatever K, batch or chunking

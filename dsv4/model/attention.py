@@ -125,9 +125,10 @@ class Attention(nn.Module):
         # writes first: window ring, compressor rows and closed entries (and the indexer's)
         flat_rows(ls.win).index_copy_(0, batch.ring_rows(ls.win.shape[1]), cast(kv, ls.win.dtype))
         if self.kind != WINDOW:
-            self.compressor(xp[0], xp[1], batch, ls.raw_kv, ls.raw_score, ls.entries, rope)
+            self.compressor(xp[0], xp[1], batch, ls.raw_kv, ls.raw_score, ls.entries, ls.table, rope)
         if self.kind == CSA:
-            self.indexer.compressor(xp[3], xp[4], batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, rope)
+            self.indexer.compressor(xp[3], xp[4], batch, ls.idx_raw_kv, ls.idx_raw_score, ls.idx_entries, ls.table,
+                                    rope)
         # then reads: long rows (prefill chunks) against keys shared by the row, short rows
         # (decode, verify) each gathering its own keys
         long_rows, short = batch.cached("split", lambda: split_rows(batch))
@@ -157,10 +158,10 @@ class Attention(nn.Module):
             n_ent = (start + n) // self.ratio
             visible = torch.arange(n_ent, device=dev)[None, :] < ((qpos + 1) // self.ratio)[:, None]
             if self.kind == CSA and n_ent > self.indexer.topk:
-                cbias = self.indexer.select(head_w, qr, cis, ls.idx_entries[slot, :n_ent], visible)
+                cbias = self.indexer.select(head_w, qr, cis, ls.entries_of(slot, n_ent, idx=True), visible)
             else:  # HCA, or CSA while the top-k keeps every visible entry
                 cbias = torch.zeros(n, n_ent, device=dev).masked_fill(~visible, float("-inf"))
-            keys = torch.cat([keys, ls.entries[slot, :n_ent]])  # [L+E, hd]
+            keys = torch.cat([keys, ls.entries_of(slot, n_ent)])  # [L+E, hd]
             bias = torch.cat([bias, cbias], dim=1)
         H, hd = self.n_heads, self.head_dim
         scores = f32(q.reshape(n * H, hd) @ cast(keys, q.dtype).t()).view(n, H, -1) * hd ** -0.5
@@ -177,12 +178,12 @@ class Attention(nn.Module):
                                                      lambda: entry_bias(pos, self.ratio, bias, batch.top()))
             if n_ent > 0:
                 if self.kind == CSA and n_ent > self.indexer.topk:
-                    ikeys = ls.idx_entries[:, :n_ent].index_select(0, slots)  # [T, E, di]
+                    ikeys = ls.entries_of(slots, n_ent, idx=True)  # [T, E, di]
                     cbias = self.indexer.select(head_w, qr, cis, ikeys, visible)
                     bias = torch.cat([bias, cbias], dim=1)
                 else:  # HCA, or CSA while the top-k keeps every visible entry
                     bias = full_bias
-                keys = torch.cat([keys, ls.entries[:, :n_ent].index_select(0, slots)], dim=1)  # [T, W+E, hd]
+                keys = torch.cat([keys, ls.entries_of(slots, n_ent)], dim=1)  # [T, W+E, hd]
         scores = f32(torch.bmm(q, cast(keys, q.dtype).transpose(1, 2))) * constant(hd ** -0.5, q.device)  # [T, H, K]
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         return cast(torch.bmm(cast(probs, keys.dtype), keys), q.dtype)  # [T, H, hd]

@@ -34,17 +34,19 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, cfg.rms_norm_eps)
 
     def forward(self, kv: torch.Tensor, gate: torch.Tensor, batch: Batch, raw_kv: torch.Tensor,
-                raw_score: torch.Tensor, entries: torch.Tensor, rope: RopeTable) -> None:
+                raw_score: torch.Tensor, entries: torch.Tensor, table: torch.Tensor, rope: RopeTable) -> None:
         """Write this dispatch's rows (kv, gate: the projections [T, coff*d]), then
-        (re)compute every entry a row closes."""
+        (re)compute every entry a row closes into the block pool `entries` [blocks, per, d]
+        through the block table [slots, blocks]."""
         m, d, pos = self.ratio, self.dim, batch.positions
         R = raw_kv.shape[1]
         rows = batch.ring_rows(R)
         flat_rows(raw_kv).index_copy_(0, rows, f32(kv))
         ape = f32(self.ape).index_select(0, batch.cached(("mod", m), lambda: pos % m))
         flat_rows(raw_score).index_copy_(0, rows, f32(gate) + ape)
-        key = ("close", m, R, entries.shape[1], self.overlap, rope.key)  # shared by the layers of this ratio
-        closes = batch.cached(key, lambda: closed_windows(batch, m, R, entries.shape[1], self.overlap, rope))
+        key = ("close", m, R, entries.shape[:2], self.overlap, rope.key)  # shared by the layers of this ratio
+        closes = batch.cached(key, lambda: closed_windows(batch, m, R, entries.shape[1], entries.shape[0] - 1,
+                                                          table, self.overlap, rope))
         if closes is None:
             return
         src, missing, entry_rows, cis = closes
@@ -76,32 +78,33 @@ class Compressor(nn.Module):
         return cast(apply_rope(pooled, (C.expand(B, -1, -1), Sn.expand(B, -1, -1))), dt)
 
 
-def closed_windows(batch: Batch, m: int, R: int, E: int, overlap: bool, rope: RopeTable
-                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Rotation] | None:
+def closed_windows(batch: Batch, m: int, R: int, per: int, trash: int, table: torch.Tensor, overlap: bool,
+                   rope: RopeTable) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, Rotation] | None:
     """The windows of `m` tokens this dispatch closes (None if none): the flattened ring
     rows [C * k] each one pools (k = 2m with the overlap, whose rows before position 0
-    are `missing` [C, k, 1]), the flattened entry rows [C] it is written to (E entries a
-    slot), and the rotations [C, r] at each window's first position.
+    are `missing` [C, k, 1]), the flattened pool rows [C] it is written to (entry w of a
+    slot: row `per * table[slot, w // per] + w % per`, `per` entries a block), and the
+    rotations [C, r] at each window's first position.
 
     The closing tokens come from the host rows. A static dispatch has none to read, so
-    every token pools its window (C = T) and a token that closes none writes its slot's
-    spare last entry row, which no query sees (entries hold max_len // m + 1 rows)."""
+    every token pools its window (C = T) and a token that closes none writes the pool's
+    `trash` block, which no query reads."""
     pos, slots = batch.positions, batch.slots
     if batch.static:
         cs, w = slots, pos // m
-        dest = torch.where((pos + 1) % m == 0, w, E - 1)
+        dest = torch.where((pos + 1) % m == 0, table[cs, w // per] * per + w % per, trash * per)
     else:
         close = batch.closers(m)
         if not close:
             return None
         close = torch.tensor(close, dtype=torch.long, device=pos.device)
         cs, w = slots[close], pos[close] // m  # [C]
-        dest = w
+        dest = table[cs, w // per] * per + w % per
     first = w * m
     k = torch.arange(m, device=pos.device)
     p = torch.cat([first[:, None] - m + k, first[:, None] + k], dim=1) if overlap else first[:, None] + k  # [C, k]
     missing = (p < 0).unsqueeze(-1) if overlap else None
-    return (cs[:, None] * R + p % R).flatten(), missing, cs * E + dest, rope.rotation(first, batch.top())
+    return (cs[:, None] * R + p % R).flatten(), missing, dest, rope.rotation(first, batch.top())
 
 
 class Indexer(nn.Module):

@@ -131,10 +131,14 @@ class DeepseekV4(nn.Module):
     def has_mtp(self) -> bool:
         return self.mtp is not None
 
-    def new_state(self, max_slots: int, max_len: int, *, max_chunk: int = 128, max_spec: int = 4) -> ModelState:
+    def new_state(self, max_slots: int, max_len: int, *, max_chunk: int = 128, max_spec: int = 4,
+                  num_blocks: int | None = None, block_size: int | None = None) -> ModelState:
+        """Slots for `max_slots` requests of up to `max_len` positions; entries in `num_blocks`
+        blocks of `block_size` positions (None: every slot's max_len up front; see `ModelState`)."""
         p = self.embed.weight
         return ModelState(self.cfg, max_slots, max_len, max_chunk=max_chunk, max_spec=max_spec,
-                          with_mtp=self.has_mtp, device=p.device, dtype=p.dtype)
+                          with_mtp=self.has_mtp, device=p.device, dtype=p.dtype, num_blocks=num_blocks,
+                          block_size=block_size)
 
     def _rope(self, kind: str) -> RopeTable:
         return self.rope_main if kind == WINDOW else self.rope_compress

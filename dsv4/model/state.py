@@ -1,26 +1,36 @@
 """Per-request decode state of DeepSeek V4, owned by one object: `ModelState`.
 
-Layout: every tensor is preallocated with a leading *slot* axis (`max_slots`), so
-that many requests run in one batched dispatch. Everything is indexed by
-**absolute position**, which makes rollback of rejected speculative tokens free:
+Two kinds of state, laid out differently:
 
-* window ring (every layer and the MTP block): `win[slot, pos % Rw]`, the normed,
-  roped K=V vector. `Rw = max_chunk + window + max_spec`, so a dispatch of up to
-  `max_chunk` tokens can write all its rows before reading its keys, and rows
-  overwritten by rejected drafts are never ones a later query needs;
-* compressor input rings (compressed layers, and the CSA indexer's compressor):
-  `raw_kv/raw_score[slot, pos % Rr]`, the projected kv and gate(+ape) of recent
-  tokens: they hold the unfinished window and the CSA overlap carry (the `Ca`
-  half of the previous window). `Rr = max_chunk + 2 * ratio + max_spec`;
-* compressed entries: `entries[slot, w]` for window `w` (and `idx_entries` for
-  the indexer keys). Entry w is (re)written whenever the token that closes it,
-  position `w * ratio + ratio - 1`, is processed, so a rejected token that closed a
-  window leaves nothing behind once the position is written again.
+* **what slides** lives in small per-slot rings with a leading *slot* axis
+  (`max_slots`), indexed by absolute position modulo the ring size, which makes
+  rollback of rejected speculative tokens free:
+  - window ring (every layer and the MTP block): `win[slot, pos % Rw]`, the normed,
+    roped K=V vector. `Rw = max_chunk + window + max_spec`, so a dispatch of up to
+    `max_chunk` tokens can write all its rows before reading its keys, and rows
+    overwritten by rejected drafts are never ones a later query needs;
+  - compressor input rings (compressed layers, and the CSA indexer's compressor):
+    `raw_kv/raw_score[slot, pos % Rr]`, the projected kv and gate(+ape) of recent
+    tokens: the unfinished window and the CSA overlap carry (the `Ca` half of the
+    previous window). `Rr = max_chunk + 2 * ratio + max_spec`;
+* **what only grows**, the compressed entries (and the CSA indexer's keys), lives in
+  **blocks** of `block_size` positions from a pool shared by every slot:
+  `entries[block, j]` holds entry `b * block_size // ratio + j` of the request whose
+  block table `table[slot, b]` names that block. One block id covers the same
+  positions in every layer (a CSA block holds block_size/4 entries, an HCA block
+  block_size/128), so one table serves them all, and a block can be shared by
+  requests with the same prefix (the engine's prefix cache). Entry w is (re)written
+  whenever the token that closes it, position `w * ratio + ratio - 1`, is processed,
+  so a rejected token that closed a window leaves nothing behind once the position
+  is written again. The pool's last block (`trash`) belongs to no request: unused
+  table cells point at it, and a static dispatch's tokens that close no window write
+  it; no query reads what it holds.
 
-The only host-side bookkeeping is `lengths[slot]` (main model) and
-`mtp_lengths[slot]`: how many positions hold committed state. Writes must start
-exactly at that length (a skipped position is a bug and raises), and `rollback`
-moves the length back.
+Host-side bookkeeping: `lengths[slot]` (main model) and `mtp_lengths[slot]`, how many
+positions hold committed state (writes must start exactly there: a skipped position
+is a bug and raises; `rollback` moves the length back), and `blocks[slot]`, the slot's
+block ids (`assign`; without a block manager, `ModelState` gives every slot its own
+blocks for max_len up front).
 
 A `Batch` describes one dispatch: rows `(slot, start, n)` packed one after another
 into token tensors [T].
@@ -33,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import CSA, WINDOW, ModelConfig
+from ..config import CSA, WINDOW, ModelConfig, block_entry_bytes, state_block_size
 
 
 @dataclass
@@ -114,61 +124,108 @@ class Batch:
         return cls(input_ids, positions, slots, [], max_pos=max_len - 1, static=True)
 
 
+STATIC_CONTEXT = 2048  # positions a compiled decode step covers (see ModelState.static_len)
+
+
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
     """A slotted state tensor [slots, n, d] as rows [slots * n, d] (a view), for
     `index_select` / `index_copy_`: one flat index is much cheaper than a (slot, row) pair."""
     return t.view(-1, t.shape[-1])
 
 
-class LayerState:
-    """State tensors of one attention layer (see the module docstring)."""
+def gather_entries(pool: torch.Tensor, table: torch.Tensor, slots, n: int) -> torch.Tensor:
+    """The first `n` entries of each slot in `slots` (an int, or a tensor [T]) from a block
+    pool [blocks, per_block, d] through the block table [slots, blocks] -> [n, d] or [T, n, d]."""
+    per = pool.shape[1]
+    e = pool[table[slots, : -(-n // per)]]  # [(T,) nb, per, d]
+    return e.flatten(-3, -2)[..., :n, :]
 
-    def __init__(self, cfg: ModelConfig, kind: str, ratio: int, slots: int, max_len: int,
-                 max_chunk: int, max_spec: int, device, dtype: torch.dtype):
+
+class LayerState:
+    """State tensors of one attention layer (see the module docstring). `table` is the
+    owning `ModelState`'s block table, shared by every layer."""
+
+    def __init__(self, cfg: ModelConfig, kind: str, ratio: int, slots: int, max_chunk: int, max_spec: int,
+                 num_blocks: int, block_size: int, table: torch.Tensor, device, dtype: torch.dtype):
         hd = cfg.head_dim
-        self.kind, self.ratio = kind, ratio
+        self.kind, self.ratio, self.table = kind, ratio, table
         win_size = max_chunk + cfg.sliding_window + max_spec
         self.win = torch.zeros(slots, win_size, hd, device=device, dtype=dtype)
         if kind != WINDOW:
             coff = 2 if kind == CSA else 1
             raw_size = max_chunk + 2 * ratio + max_spec
-            n_entries = max_len // ratio + 1
+            per = block_size // ratio
             f32 = torch.float32
             self.raw_kv = torch.zeros(slots, raw_size, coff * hd, device=device, dtype=f32)
             self.raw_score = torch.zeros(slots, raw_size, coff * hd, device=device, dtype=f32)
-            self.entries = torch.zeros(slots, n_entries, hd, device=device, dtype=dtype)
+            self.entries = torch.zeros(num_blocks + 1, per, hd, device=device, dtype=dtype)  # +1: trash
             if kind == CSA:
                 di = cfg.index_head_dim
                 self.idx_raw_kv = torch.zeros(slots, raw_size, 2 * di, device=device, dtype=f32)
                 self.idx_raw_score = torch.zeros(slots, raw_size, 2 * di, device=device, dtype=f32)
-                self.idx_entries = torch.zeros(slots, n_entries, di, device=device, dtype=dtype)
+                self.idx_entries = torch.zeros(num_blocks + 1, per, di, device=device, dtype=dtype)
 
     NAMES = ("win", "raw_kv", "raw_score", "entries", "idx_raw_kv", "idx_raw_score", "idx_entries")
+    RINGS = ("win", "raw_kv", "raw_score", "idx_raw_kv", "idx_raw_score")  # per slot; the rest is in blocks
 
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, n) for n in self.NAMES if hasattr(self, n)]
 
-    def rebound(self, tensors: list[torch.Tensor]) -> "LayerState":
+    def rebound(self, tensors: list[torch.Tensor], table: torch.Tensor | None = None) -> "LayerState":
         """A shallow copy whose state tensors are `tensors` (in `tensors()` order), e.g. the
-        inputs of an exported step."""
+        inputs of an exported step (and whose block table is `table`, if given)."""
         out = copy.copy(self)
         for name, t in zip([n for n in self.NAMES if hasattr(self, n)], tensors, strict=True):
             setattr(out, name, t)
+        if table is not None:
+            out.table = table
         return out
+
+    def entries_of(self, slots, n: int, idx: bool = False) -> torch.Tensor:
+        """The first n compressed entries (`idx`: indexer keys) of `slots` (see `gather_entries`)."""
+        return gather_entries(self.idx_entries if idx else self.entries, self.table, slots, n)
 
 
 class ModelState:
-    """All per-request state of the main model and the MTP block, in slots."""
+    """All per-request state of the main model and the MTP block: rings in slots, compressed
+    entries in blocks (`num_blocks` of `block_size` positions; None: every slot's max_len
+    up front, assigned once, for callers without a block manager)."""
 
     def __init__(self, cfg: ModelConfig, max_slots: int, max_len: int, *, max_chunk: int = 128,
-                 max_spec: int = 4, with_mtp: bool = True, device="cpu", dtype: torch.dtype = torch.float32):
+                 max_spec: int = 4, with_mtp: bool = True, device="cpu", dtype: torch.dtype = torch.float32,
+                 num_blocks: int | None = None, block_size: int | None = None):
         self.cfg = cfg
         self.max_slots, self.max_len, self.max_chunk = max_slots, max_len, max_chunk
-        args = (max_slots, max_len, max_chunk, max_spec, device, dtype)
+        self.block_size = block_size or state_block_size(cfg)
+        if any(r and self.block_size % r for r in cfg.compress_ratios):
+            raise ValueError(f"block size {self.block_size} is not a multiple of every compression ratio")
+        self.max_blocks = -(-max_len // self.block_size)  # a slot's table width
+        # what a compiled (static) dispatch attends over: masks cover the whole span, so a longer
+        # context runs eager, whose cost follows the context
+        self.static_len = min(max_len, -(-STATIC_CONTEXT // self.block_size) * self.block_size)
+        managed = num_blocks is not None
+        self.num_blocks = num_blocks if managed else max_slots * self.max_blocks
+        self.trash = self.num_blocks  # the pool's spare block
+        self.table = torch.full((max_slots, self.max_blocks), self.trash, dtype=torch.long, device=device)
+        self.blocks: list[list[int]] = [[] for _ in range(max_slots)]
+        args = (max_slots, max_chunk, max_spec, self.num_blocks, self.block_size, self.table, device, dtype)
         self.layers = [LayerState(cfg, k, r, *args) for k, r in zip(cfg.layer_kinds, cfg.compress_ratios)]
         self.mtp = LayerState(cfg, WINDOW, 0, *args) if with_mtp else None
         self.lengths = [0] * max_slots
         self.mtp_lengths = [0] * max_slots
+        if not managed:
+            for s in range(max_slots):
+                self.assign(s, list(range(s * self.max_blocks, (s + 1) * self.max_blocks)))
+
+    def assign(self, slot: int, blocks: list[int]) -> None:
+        """Set the block ids of `slot` (its first len(blocks) blocks of positions); the rest
+        of its table row points at the trash block."""
+        if len(blocks) > self.max_blocks or any(not 0 <= b < self.num_blocks for b in blocks):
+            raise ValueError(f"slot {slot}: bad block list (at most {self.max_blocks} ids < {self.num_blocks})")
+        self.blocks[slot] = list(blocks)
+        row = torch.full((self.max_blocks,), self.trash, dtype=torch.long)
+        row[: len(blocks)] = torch.tensor(blocks, dtype=torch.long)
+        self.table[slot].copy_(row)
 
     # -------------------------------------------------------------- bookkeeping
     def begin(self, batch: Batch, mtp: bool = False) -> None:
@@ -189,6 +246,9 @@ class ModelState:
                 raise ValueError(f"slot {slot}: position {start + n - 1} beyond max_len {self.max_len}")
             if n > self.max_chunk:
                 raise ValueError(f"slot {slot}: {n} tokens in one dispatch exceed max_chunk {self.max_chunk}")
+            if not mtp and start + n > len(self.blocks[slot]) * self.block_size:
+                raise ValueError(f"slot {slot}: position {start + n - 1} has no block "
+                                 f"({len(self.blocks[slot])} blocks of {self.block_size} assigned)")
         for slot, start, n in batch.rows:
             lengths[slot] = start + n
 
@@ -219,53 +279,95 @@ class ModelState:
         self.mtp_lengths[slot] = 0
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every state tensor: the layers' in order, then the MTP block's."""
-        return [t for ls in self.layers + ([self.mtp] if self.mtp is not None else []) for t in ls.tensors()]
+        """Every state tensor: the layers' in order, then the MTP block's, then the block table."""
+        return [t for ls in self.layers + ([self.mtp] if self.mtp is not None else []) for t in ls.tensors()] + [self.table]
 
     def rebound(self, tensors: list[torch.Tensor]) -> "ModelState":
         """A shallow copy (bookkeeping shared) whose state tensors are `tensors` (in
         `tensors()` order): what an exported step binds its tensor inputs to."""
-        out, it = copy.copy(self), iter(tensors)
-        take = lambda ls: ls.rebound([next(it) for _ in ls.tensors()])  # noqa: E731
+        out, it = copy.copy(self), iter(tensors[:-1])
+        out.table = tensors[-1]
+        take = lambda ls: ls.rebound([next(it) for _ in ls.tensors()], out.table)  # noqa: E731
         out.layers = [take(ls) for ls in self.layers]
         out.mtp = take(self.mtp) if self.mtp is not None else None
         if next(it, None) is not None:
             raise ValueError("more tensors than the state holds")
         return out
 
+    def _layer_states(self) -> list[LayerState]:
+        return self.layers + ([self.mtp] if self.mtp is not None else [])
+
+    def ring_bytes_per_slot(self) -> int:
+        """Bytes of one slot's rings (window, compressor carry), whatever its length."""
+        return sum(getattr(ls, n)[0].numel() * getattr(ls, n).element_size()
+                   for ls in self._layer_states() for n in LayerState.RINGS if hasattr(ls, n))
+
+    def block_bytes(self) -> int:
+        """Bytes of one block of compressed entries (every layer's)."""
+        return block_entry_bytes(self.cfg, self.block_size, self.layers[0].win.element_size())
+
     def nbytes_per_slot(self) -> int:
-        ts = [t for ls in self.layers for t in ls.tensors()]
-        if self.mtp is not None:
-            ts += self.mtp.tensors()
-        return sum(t[0].numel() * t.element_size() for t in ts)
+        """One slot's rings plus the blocks of a max_len request."""
+        return self.ring_bytes_per_slot() + self.max_blocks * self.block_bytes()
+
+    # -------------------------------------------------------------- ring snapshots
+    def _spans(self, slot: int):
+        """(layer state, ring name, lo, hi) for every ring row range the next dispatch of `slot`
+        can read: the window's last `window - 1` positions, and the compressor rows of the
+        unfinished window plus the CSA overlap carry."""
+        W = self.cfg.sliding_window
+        for i, ls in enumerate(self._layer_states()):
+            n = self.mtp_lengths[slot] if i == len(self.layers) else self.lengths[slot]
+            yield ls, "win", max(n - W + 1, 0), n
+            if ls.kind != WINDOW:
+                m = ls.ratio
+                lo = max((n // m) * m - (m if ls.kind == CSA else 0), 0)
+                for name in LayerState.RINGS[1:]:
+                    if hasattr(ls, name):
+                        yield ls, name, lo, n
+
+    def save_rings(self, slot: int) -> tuple[int, int, list[torch.Tensor]]:
+        """Copies of what `slot`'s rings hold for its next dispatch, with its lengths: with the
+        blocks of its entries, everything a request continuing from here reads (the prefix
+        cache keeps one at a block boundary)."""
+        rows = []
+        for ls, name, lo, hi in self._spans(slot):
+            t = getattr(ls, name)
+            rows.append(t[slot, torch.arange(lo, hi, device=t.device) % t.shape[1]].clone())
+        return self.lengths[slot], self.mtp_lengths[slot], rows
+
+    def load_rings(self, slot: int, saved: tuple[int, int, list[torch.Tensor]]) -> None:
+        """Put `save_rings`'s copies (of any slot) into `slot` and take its lengths; the slot's
+        blocks must already hold the entries before them (`assign`)."""
+        self.lengths[slot], self.mtp_lengths[slot], rows = saved
+        for (ls, name, lo, hi), r in zip(self._spans(slot), rows, strict=True):
+            t = getattr(ls, name)
+            t[slot].index_copy_(0, torch.arange(lo, hi, device=t.device) % t.shape[1], r)
+
+    def saved_bytes(self) -> int:
+        """Bytes of one `save_rings` at a block boundary (its largest)."""
+        W, n = self.cfg.sliding_window, 0
+        for ls in self._layer_states():
+            n += (W - 1) * ls.win[0, 0].numel() * ls.win.element_size()
+            if ls.kind == CSA:
+                n += ls.ratio * sum(getattr(ls, k)[0, 0].numel() * 4 for k in LayerState.RINGS[1:] if hasattr(ls, k))
+        return n
 
     # -------------------------------------------------------------- inspection
     def snapshot(self, slot: int) -> dict[str, torch.Tensor]:
-        """The logical state of a slot (what the next dispatch can read), for tests.
-
-        Window rows of the last `window - 1` positions, every emitted entry, and the
-        compressor rows of the unfinished window plus the overlap carry.
-        """
+        """The logical state of a slot (what the next dispatch can read), for tests: the
+        ring rows `save_rings` keeps, and every emitted entry."""
         out: dict[str, torch.Tensor] = {}
-        cfg = self.cfg
-
-        def ring(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-            idx = torch.arange(max(lo, 0), hi) % t.shape[1]
-            return t[slot, idx.to(t.device)]
-
-        for i, ls in enumerate(self.layers + ([self.mtp] if self.mtp is not None else [])):
-            mtp = i == len(self.layers)
-            n = self.mtp_lengths[slot] if mtp else self.lengths[slot]
-            p = "mtp" if mtp else f"layers.{i}"
-            out[f"{p}.win"] = ring(ls.win, n - cfg.sliding_window + 1, n)
+        names = {id(ls): ("mtp" if i == len(self.layers) else f"layers.{i}")
+                 for i, ls in enumerate(self._layer_states())}
+        for ls, name, lo, hi in self._spans(slot):
+            t = getattr(ls, name)
+            out[f"{names[id(ls)]}.{name}"] = t[slot, torch.arange(lo, hi, device=t.device) % t.shape[1]]
+        for i, ls in enumerate(self.layers):
+            n = self.lengths[slot] // ls.ratio if ls.ratio else 0
             if ls.kind != WINDOW:
-                m = ls.ratio
-                lo = (n // m) * m - (m if ls.kind == CSA else 0)
-                out[f"{p}.entries"] = ls.entries[slot, : n // m]
-                out[f"{p}.raw_kv"] = ring(ls.raw_kv, lo, n)
-                out[f"{p}.raw_score"] = ring(ls.raw_score, lo, n)
+                out[f"layers.{i}.entries"] = ls.entries_of(slot, n)
                 if ls.kind == CSA:
-                    out[f"{p}.idx_entries"] = ls.idx_entries[slot, : n // m]
-                    out[f"{p}.idx_raw_kv"] = ring(ls.idx_raw_kv, lo, n)
-                    out[f"{p}.idx_raw_score"] = ring(ls.idx_raw_score, lo, n)
+                    out[f"layers.{i}.idx_entries"] = ls.entries_of(slot, n, idx=True)
         return out
+

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import safetensors
 import torch
+
+from dsv4.config import block_entry_bytes
 from safetensors.torch import save_file
 
 from dsv4.engine.config import EngineConfig, EngineConfigError
@@ -66,7 +68,11 @@ def test_defaults_resolved(ckpt: Path) -> None:
     assert c.has_mtp and c.speculative_auto and c.num_speculative_tokens == 3  # auto: K in 0..3
     assert c.dtype == "float32" and c.device == "cpu"
     assert c.prefill_limit == 128 and c.model_config.prefill_limit == 128
-    assert c.max_model_len == 2048
+    assert c.max_model_len == c.model_config.max_position_embeddings  # the model's whole context
+    one = -(-(c.max_model_len + 3 + 1) // c.block_size)  # blocks of one request (K = 3 drafts + 1)
+    assert c.block_size == 256 and c.kv_cache_blocks == 8 * one  # max_num_seqs requests at max_model_len
+    assert c.kv_cache_memory == c.kv_cache_blocks * block_entry_bytes(c.model_config, 256, 4)
+    assert any("prefix caching on" in s for s in c.banner_lines())
     assert c.max_num_batched_tokens == 128 + 8 * 4
     assert c.effective_chunk_size == 128 and not c.single_dispatch
     assert c.torch_dtype is torch.float32
