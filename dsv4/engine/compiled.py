@@ -74,9 +74,8 @@ class CompiledSteps:
         # MTP's carried hidden state outlives the step that made it)
         self.copy_out = mode == "reduce-overhead"
         if mode == "reduce-overhead":  # CUDA graphs replay fixed addresses: the state tensors are static
-            for ls in state.layers + ([state.mtp] if state.mtp is not None else []):
-                for t in ls.tensors():
-                    torch._dynamo.mark_static_address(t)
+            for t in state.tensors():  # the layers' tensors and the block table
+                torch._dynamo.mark_static_address(t)
         # mode: torch.compile's ("reduce-overhead" replays CUDA graphs; benchmarks/step_costs.py
         # measures it on a GPU, the engine uses the default); on the CPU, CPU_OPTIONS instead
         # (not torch.compile's options=: it leaves freezing off; capture() patches the config)

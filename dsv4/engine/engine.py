@@ -295,6 +295,8 @@ class Engine:
         outs: list[RequestOutput] = []
         for req, start, n in plan.prefills:
             res = results.get(req.slot) if start + n == req.num_prefill_tokens else None
+            if res is not None and not req.recomputed and req.request_id in self._tracks:
+                self._tracks[req.request_id].metrics.cached_tokens = req.num_cached_tokens
             toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
             if res is not None:
                 outs.append(self._emit(req, toks, res, now))

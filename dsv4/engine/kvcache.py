@@ -221,8 +221,10 @@ class BlockManager:
 
     def release(self, slot: int) -> None:
         """`slot`'s request is done (finished or preempted): its cached blocks stay for later
-        hits (most recently used last), the others are free again."""
-        for b in self.held.pop(slot, []):
+        hits (most recently used last, a chain's tail before its head: eviction takes the tail
+        first, and the rings saved at its end with it, so what stays cached is still a chain
+        that can hit), the others are free again."""
+        for b in reversed(self.held.pop(slot, [])):
             self.refs[b] -= 1
             if self.refs[b] == 0:
                 if b in self.hash_of:

@@ -64,6 +64,7 @@ class RequestMetrics(_Acceptance):
 
     arrival: float = field(default_factory=time.monotonic)
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, from the prefix cache (its first admission's)
     first_token_time: float | None = None
     completion_tokens: int = 0
     last_token_time: float | None = None
@@ -125,7 +126,8 @@ class RequestMetrics(_Acceptance):
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens},
+            "usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                      "cached_tokens": self.cached_tokens},
             "timings": {"ttft_s": self.ttft, "tpot_s": self.tpot, "e2e_s": self.e2e},
             "spec": {
                 "drafted": self.drafted,

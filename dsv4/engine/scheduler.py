@@ -284,6 +284,8 @@ class Scheduler:
         for req in reqs:
             if budget <= 0:
                 break
+            if req.slot is None:
+                continue  # preempted by a request planned before it in this step
             start = req.num_computed_tokens
             left = req.num_prefill_tokens - start
             if self.single_dispatch:
@@ -310,6 +312,8 @@ class Scheduler:
         sampled request makes the same tokens whatever runs beside it. One that does not
         fit goes first next step (the budget is at least 1 + K)."""
         for req in sorted(reqs, key=lambda r: r.last_scheduled_step):  # stable: admission order on ties
+            if req.slot is None:
+                continue  # preempted by a request planned before it in this step
             n = 1 + self.draft_room(req)
             if n > budget or not self._room(req, req.num_computed_tokens + n):
                 continue

@@ -34,6 +34,10 @@ class Metrics:
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a slot", lab, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", lab, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", lab, registry=r)
+        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                     lab, registry=r)
+        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache", lab,
+                                  registry=r)
         self.success = Counter("vllm:request_success", "Requests finished", lab + ["finished_reason"], registry=r)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", lab,
                               buckets=_LATENCY_BUCKETS, registry=r)
@@ -66,6 +70,8 @@ class Metrics:
         m = self.model_name
         usage, spec = msg.get("usage") or {}, msg.get("spec") or {}
         self.prompt_tokens.labels(m).inc(int(usage.get("prompt_tokens") or 0))
+        self.cache_queries.labels(m).inc(int(usage.get("prompt_tokens") or 0))
+        self.cache_hits.labels(m).inc(int(usage.get("cached_tokens") or 0))
         reason = msg.get("finish_reason")
         if reason in ("stop", "length"):
             self.success.labels(m, reason).inc()

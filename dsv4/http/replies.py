@@ -62,7 +62,7 @@ class Replies:
         self.splitters = [ReasoningSplitter(parsed.thinking) for _ in range(n)]
         self.tools = [DSMLStreamParser(parsed.tools) if chat and parsed.tools else None for _ in range(n)]
         self.reasons: list[str | None] = [None] * n
-        self.prompt_tokens, self.completion_tokens = [0] * n, [0] * n
+        self.prompt_tokens, self.completion_tokens, self.cached_tokens = [0] * n, [0] * n, [0] * n
         self.started = [False] * n
         self.last_time: list[float | None] = [None] * n
         self.done: set[str] = set()
@@ -107,6 +107,7 @@ class Replies:
         reasoning, content = self.splitters[i].flush()  # final
         usage = msg.get("usage") or {}
         self.prompt_tokens[i] = int(usage.get("prompt_tokens") or 0)
+        self.cached_tokens[i] = int(usage.get("cached_tokens") or 0)
         self.completion_tokens[i] = int(usage.get("completion_tokens") or 0)
         self.reasons[i] = msg.get("finish_reason")
         m.observe_final(msg, now - self.t0)
@@ -180,7 +181,9 @@ class Replies:
     def usage(self) -> dict[str, int]:
         p = sum(self.prompt_tokens[::self.parsed.n])  # a prompt's tokens once, whatever its n samples
         c = sum(self.completion_tokens)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(self.cached_tokens[::self.parsed.n])
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def whole(self) -> dict[str, Any]:
         choices = []

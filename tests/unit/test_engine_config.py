@@ -339,3 +339,20 @@ def test_generation_config_defaults_read_at_validation(tmp_path: Path) -> None:
     (d / "generation_config.json").write_text("{broken")
     with pytest.raises(EngineConfigError, match="generation_config.json"):
         EngineConfig.create(model=str(d))
+
+
+def test_kv_cache_memory_sizes_the_pool_and_refuses_one_too_small(ckpt: Path) -> None:
+    c = EngineConfig.create(model=str(ckpt), max_model_len=1000, num_speculative_tokens=0)
+    per = block_entry_bytes(c.model_config, 256, 4)
+    assert c.kv_cache_blocks == 8 * 4  # 8 requests of ceil(1001 / 256) blocks
+    for given, blocks in ((f"{10 * per}", 10), (f"{10 * per + per - 1}", 10), ("1MiB", 2**20 // per)):
+        c = EngineConfig.create(model=str(ckpt), max_model_len=1000, num_speculative_tokens=0, kv_cache_memory=given)
+        assert c.kv_cache_blocks == blocks and c.kv_cache_memory == blocks * per
+    frac = EngineConfig.create(model=str(ckpt), num_speculative_tokens=0, kv_cache_memory="0.01")
+    assert frac.kv_cache_blocks == int(0.01 * (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))) // per
+    msg = err(EngineConfig.create, model=str(ckpt), max_model_len=1000, num_speculative_tokens=0,
+              kv_cache_memory=str(3 * per))
+    assert "--kv-cache-memory" in msg and f"{4 * per}" in msg and "--max-model-len" in msg  # names the bytes
+    for bad in ("lots", "-5", "0", "1.5x", ""):
+        assert "--kv-cache-memory" in err(EngineConfig.create, model=str(ckpt), kv_cache_memory=bad)
+    assert "--enable-prefix-caching" in err(EngineConfig.create, model=str(ckpt), enable_prefix_caching="yes")

@@ -239,7 +239,7 @@ def test_request_metrics_definitions() -> None:
         m.on_tokens(accepted + 1, now=now)
     m.on_finish(now=11.2)
     d = m.to_dict()
-    assert d["usage"] == {"prompt_tokens": 7, "completion_tokens": 8}
+    assert d["usage"] == {"prompt_tokens": 7, "completion_tokens": 8, "cached_tokens": 0}
     assert d["timings"]["ttft_s"] == pytest.approx(0.5) and d["timings"]["e2e_s"] == pytest.approx(1.2)
     assert d["timings"]["tpot_s"] == pytest.approx(0.7 / 7)
     s = d["spec"]
