@@ -11,9 +11,10 @@ on the host, and tells the runner through a `KVPlan` per step:
   token ids of every block before it, from a root naming what else changes the state
   (model, dtype, quantization, speculation); a finished prefill's blocks stay in the cache
   (refcount 0, LRU) until their ids are needed. A request reuses the longest chain of
-  cached blocks that ends where rings were **saved** (`KVPlan.saves`: only at one chosen
-  boundary per prefill, the last block boundary before its final token, so the sliding
-  state's churn never costs a cached block) and prefills only the rest; blocks are shared
+  cached blocks that ends where rings were **saved** (`KVPlan.saves`: only at chosen
+  boundaries of a prefill, its last block boundary before its final token and every
+  `SAVE_EVERY` blocks before that; the sliding state lives in the rings, so its churn
+  never costs a cached block) and prefills only the rest; blocks are shared
   (refcounted) and never written again, since a hit always resumes exactly at a boundary;
 * evicting a block drops its hash and any rings saved at its end (`KVPlan.drops`), so a
   later lookup misses instead of reading stale state.
@@ -29,6 +30,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .request import Request
+
+
+SAVE_EVERY = 8  # blocks between the saved rings of one long prefill (besides its last boundary)
 
 
 @dataclass
@@ -175,17 +179,22 @@ class BlockManager:
         req.num_computed_tokens = req.num_cached_tokens = cached
         return True
 
-    def save_point(self, req: "Request") -> int:
-        """Where `req`'s prefill saves its rings: the last block boundary before its final
-        token (0: none)."""
+    def save_point(self, req: "Request", start: int = 0) -> int:
+        """The next boundary after `start` where `req`'s prefill saves its rings (0: none): the
+        last block boundary before its final token (where the next turn of a conversation, or
+        the same prompt again, resumes), and every SAVE_EVERY blocks before it (where prompts
+        that share a long document but not its question can resume)."""
         if not self.caching or req.params.prompt_logprobs is not None:
             return 0
-        p = (req.num_prefill_tokens - 1) // self.block_size * self.block_size
-        return p if p > req.num_cached_tokens else 0
+        last = (req.num_prefill_tokens - 1) // self.block_size * self.block_size
+        every = SAVE_EVERY * self.block_size
+        p = (max(start, req.num_cached_tokens) // every + 1) * every
+        p = min(p, last)
+        return p if p > max(start, req.num_cached_tokens) else 0
 
     def prefilled(self, req: "Request", start: int, n: int) -> None:
-        """`req`'s chunk [start, start + n) is planned: save the rings if it ends at the save point."""
-        p = self.save_point(req)
+        """`req`'s chunk [start, start + n) is planned: save the rings if it ends at a save point."""
+        p = self.save_point(req, start)
         if p and start + n == p:
             self.save(req.slot, self.hashes(req)[p // self.block_size - 1])
 

@@ -294,7 +294,7 @@ class Scheduler:
                 n = left
             else:
                 n = min(left, self.chunk_size, budget)
-                if self.kv is not None and start < (p := self.kv.save_point(req)):
+                if self.kv is not None and (p := self.kv.save_point(req, start)):
                     n = min(n, p - start)  # the rings are saved at a block boundary
             if not self._room(req, start + n):
                 continue

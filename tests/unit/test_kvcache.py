@@ -108,3 +108,12 @@ def test_admission_counts_the_whole_prefill_and_prompt_logprobs_skip_the_cache()
     kv.release(0)
     lp = _req(list(range(10)), prompt_logprobs=0)
     assert kv.admit(lp, 1) and lp.num_cached_tokens == 0 and kv.save_point(lp) == 0
+
+
+def test_a_long_prefill_saves_every_save_every_blocks_and_at_its_last_boundary():
+    kv = BlockManager(64, B)
+    r = _req(list(range(80)))
+    every = 8 * B  # SAVE_EVERY blocks
+    assert [kv.save_point(r, s) for s in (0, 5, every, 2 * every, 76)] == [every, every, 2 * every, 76, 0]
+    r.num_cached_tokens = 2 * every  # a hit: the next save is after it
+    assert kv.save_point(r, 2 * every) == 76
