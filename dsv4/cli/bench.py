@@ -13,6 +13,7 @@ verify steps). Then MTP on versus off side by side with on/off ratios.
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -45,7 +46,9 @@ class _Record:
         spec = self.final.get("spec") or {}
         drafted, accepted = int(spec.get("drafted") or 0), int(spec.get("accepted") or 0)
         steps = int(spec.get("verify_steps") or 0)
-        return {"tokens": n, "ttft": ttft, "tpot": tpot, "e2e": e2e, "itl": itl, "drafted": drafted,
+        return {"tokens": n, "prompt": int(usage.get("prompt_tokens") or 0),
+                "cached": int(usage.get("cached_tokens") or 0), "ttft": ttft, "tpot": tpot, "e2e": e2e, "itl": itl,
+                "drafted": drafted,
                 "accepted": accepted, "steps": steps, "k": spec.get("num_speculative_tokens"), "done": self.done}
 
 
@@ -138,6 +141,8 @@ def _summarise(records: list[_Record], wall: float, concurrency: int, mtp: str,
         "drafted": drafted, "accepted": accepted,
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_acceptance_length": 1 + accepted / steps if steps else None,
+        "prefix_cache_hit_rate": (sum(m["cached"] for m in ms) / sum(m["prompt"] for m in ms)
+                                  if sum(m["prompt"] for m in ms) else None),
         # the K in use when the arm's last request finished (auto K: the policy's latest choice)
         "num_speculative_tokens": max(ms, key=lambda m: m["done"] or 0.0)["k"] if ms else None,
     }
@@ -286,6 +291,8 @@ def _measure(backend: Any, prompts: list[list[int]], params: dict[str, Any], lev
                 p = {**params, "speculative": arm == "on"}
                 if warmup:
                     _run_arm(backend, prompts[:warmup], p, c, advance)
+                # the prompts again, but no prefix-cache hits on an earlier level's or arm's runs
+                p["cache_salt"] = f"dsv4 bench {os.getpid()} {time.time()} {c} {arm}"
                 before = backend.spec_totals() if hasattr(backend, "spec_totals") else None
                 records, wall = _run_arm(backend, prompts[warmup:], p, c, advance)
                 spec = None

@@ -115,6 +115,8 @@ class HttpBackend:
                         put({"type": "delta", "id": rid, "n": 1})
                     reason = ch.get("finish_reason") or reason
                 usage = chunk.get("usage") or usage
+            if usage is not None:  # OpenAI's shape -> the daemon's (the report reads cached_tokens)
+                usage = {**usage, "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
             put({"type": "final", "id": rid, "finish_reason": reason, "usage": usage})
         except (OSError, ValueError) as e:
             put({"type": "final", "id": rid, "finish_reason": "error", "error": f"{type(e).__name__}: {e}"})

@@ -16,6 +16,7 @@ ROWS: list[tuple[str, str, str | None, str]] = [  # label, key, sub-key, unit
     ("output tok/s", "output_throughput_tok_s", None, ""), ("req/s", "request_throughput_req_s", None, ""),
     ("acceptance rate", "acceptance_rate", None, "%"), ("mean acceptance length", "mean_acceptance_length", None, ""),
     ("K in use at the end", "num_speculative_tokens", None, "k"),
+    ("prefix cache hit", "prefix_cache_hit_rate", None, "%"),
 ]
 LOWER_IS_BETTER = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 MIN_REQUESTS = {"p90": 10, "p99": 100}  # fewer and the percentile is just one of the largest values

@@ -155,7 +155,8 @@ class BlockManager:
         """The chained hashes of `req`'s full prefill blocks (kept on the request, extended)."""
         ids = req.prefill_ids
         if len(req.block_hashes) < len(ids) // self.block_size:
-            root = self.root_for("mtp" if req.num_spec else "")
+            # what else the state or the tenant depends on: the drafter's rings, the request's salt
+            root = self.root_for(("mtp" if req.num_spec else "") + "|" + (req.params.cache_salt or ""))
             req.block_hashes = chain_hashes(root, ids, self.block_size, req.block_hashes)
         return req.block_hashes
 

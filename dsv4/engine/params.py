@@ -20,6 +20,7 @@ MAX_REPETITION_PENALTY = 100.0
 MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's top_logprobs limit)
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_BIAS = 100.0  # |bias| (OpenAI's range)
+MAX_CACHE_SALT = 256  # characters of cache_salt
 
 
 @dataclass
@@ -50,6 +51,9 @@ class SamplingParams:
     # None = free text; {kind: value}, kind one of json_schema (a schema), json_object (true), regex,
     # choice (strings), ebnf: the output follows that grammar (`grammar.py`; after </think> in thinking mode)
     structured: dict[str, Any] | None = None
+    # vLLM's: requests share cached prefixes only with requests of the same salt (another tenant,
+    # or a benchmark's arm, cannot hit, or time, what this one cached)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):  # JSON and msgpack maps from clients have string keys
@@ -127,6 +131,9 @@ class SamplingParams:
             from dsv4.engine.grammar import check_spec
 
             check_spec(self.structured)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_CACHE_SALT):
+            raise RequestError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")

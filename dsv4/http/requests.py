@@ -47,7 +47,7 @@ from dsv4.http.toolgrammar import tool_call_ebnf
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
                 "repetition_penalty", "presence_penalty", "frequency_penalty",
-                "include_stop_str_in_output",  # vLLM's
+                "include_stop_str_in_output", "cache_salt",  # vLLM's
                 "speculative")  # dsv4's own: false = no MTP drafts for this request
 
 

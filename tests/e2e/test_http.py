@@ -274,3 +274,26 @@ def test_metrics_need_the_key_and_health_stays_minimal(server):
     assert status == 200 and "vllm:" in text
     status, text = _get(port, "/health")
     assert status == 200 and json.loads(text) == {"status": "ok"}
+
+
+def test_prefix_cache_over_http(client: openai.OpenAI, server: tuple[Daemon, int]) -> None:
+    """The same 600-token prompt twice: the second finds its first two blocks cached
+    (usage.prompt_tokens_details.cached_tokens), writes the same text, and the metrics and
+    `dsv4 status` count it; another cache_salt shares nothing."""
+    d, port = server
+    prompt = list(range(5, 605))
+    ask = lambda **extra: client.completions.create(  # noqa: E731
+        model=_model(client), prompt=prompt, max_tokens=8, temperature=0, extra_body=extra)
+    first, again = ask(), ask()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 512
+    assert again.choices[0].text == first.choices[0].text
+    assert ask(cache_salt="tenant-b").usage.prompt_tokens_details.cached_tokens == 0
+    metrics = _get(port, "/metrics", {"Authorization": f"Bearer {KEY}"})[1]
+    hits = [line for line in metrics.splitlines() if line.startswith("vllm:prefix_cache_hits_total")]
+    assert hits and float(hits[0].split()[-1]) >= 512, metrics[:2000]
+    st = status(d.endpoint)
+    assert st["prefix_cache_hits"] >= 512 and st["prefix_cache_queries"] >= 1800 and st["blocks"] >= 8
+    assert "prefix cache hit" in dsv4("status", "--socket", d.endpoint).stdout
+    bad = _post(port, "/v1/completions", json.dumps({"model": _model(client), "prompt": "x", "cache_salt": ""}).encode())
+    assert bad.status == 400 and "cache_salt" in bad.read().decode()

@@ -89,10 +89,11 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, path, monkeypatch):
         check_backend(torch.device("cpu"))
     except CompileUnavailable as e:  # the fallback itself is test_no_compiler_falls_back_to_eager
         pytest.skip(f"inductor cannot compile on this machine: {e}")
-    prompts = _prompts([1, 5, 37, 50])  # 37 and 50 tokens: three and four chunks of 16
+    prompts = _prompts([1, 5, 37, 50, 300])  # 37 and 50 tokens: three and four chunks of 16
+    prompts.append(prompts[-1] + prompts[2])  # one at a time: this one hits the 300's first block
     sp = SamplingParams(max_tokens=20, ignore_eos=True)
-    kw = dict(max_num_seqs=1, max_model_len=128, prefill_limit=16, num_speculative_tokens=k)
-    ref = [c.token_ids for c in LLM(ckpt, **kw).generate(prompts, sp)]
+    kw = dict(max_num_seqs=1, max_model_len=400, prefill_limit=16, num_speculative_tokens=k)
+    ref = [c.token_ids for c in LLM(ckpt, enable_prefix_caching=False, **kw).generate(prompts, sp)]
     counters.clear()
     llm = LLM(ckpt, compile=True, **kw)
     steps = llm.engine.runner.compiled
@@ -114,6 +115,7 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, path, monkeypatch):
     assert [c.token_ids for c in done] == ref
     assert all(c.metrics["compiled"] is True and c.metrics["compiled_buckets"] == in_use for c in done)
     assert steps.calls["main"] > 0 and steps.calls["mtp"] > 0
+    assert llm.engine.scheduler.kv.hits == 256  # decoding compiled after a prefix-cache hit
 
 
 @pytest.mark.skipif(os.environ.get("DSV4_TEST_COMPILE_TP") != "1",
@@ -272,3 +274,22 @@ def test_a_bucket_slower_than_eager_runs_eager(caplog):
     assert any("the main bucket of 2 tokens runs eager: compiled" in r.getMessage() for r in caplog.records)
     with torch.inference_mode():
         assert steps.main(Batch.build([(0, 0, [5, 6])]), None) is None  # the caller runs eager
+
+
+def test_a_context_past_the_compiled_span_runs_eager():
+    """A compiled step attends over `state.static_len` positions (2048 at most, its masks span
+    them all); a decode row past them goes to eager, whose cost follows the context."""
+    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.model.model import DeepseekV4, init_random
+    from dsv4.model.state import Batch
+    from tests.model.tiny import tiny_config
+
+    model = init_random(DeepseekV4(tiny_config(**SMALL)), seed=0).eval().fuse_projections()
+    state = model.new_state(2, 4096, max_chunk=8, max_spec=2)
+    assert state.static_len == 2048 and model.new_state(2, 300).static_len == 300
+    steps = CompiledSteps(model, state, 2, with_mtp=False, cache_dir=None)
+    steps.ready[("main", 1)] = steps.ready[("main", 2)] = True  # as if captured
+    assert steps._bucket("main", Batch.build([(0, 100, [5])])) == 1
+    assert steps._bucket("main", Batch.build([(0, 2046, [5, 6])])) == 2
+    assert steps._bucket("main", Batch.build([(0, 2047, [5, 6])])) is None
+    assert steps._bucket("main", Batch.build([(0, 5, [5]), (1, 3000, [6])])) is None
