@@ -161,7 +161,7 @@ Compile = Annotated[Optional[bool], typer.Option(
 KvCacheMemory = Annotated[Optional[str], typer.Option(
     "--kv-cache-memory", metavar="SIZE", rich_help_panel=ENGINE_PANEL,
     help="Memory for the requests' compressed state, a pool of blocks shared by every request and the "
-         "prefix cache: bytes (e.g. 2GiB, 512M) or a fraction of this machine's memory (e.g. 0.2) [default: "
+         "prefix cache: bytes (e.g. 2GiB, 512M) or a fraction of the memory free now (e.g. 0.2) [default: "
          "max-num-seqs requests at max-model-len, within a quarter of the machine's memory, at least one]")]
 PrefixCaching = Annotated[Optional[bool], typer.Option(
     "--enable-prefix-caching/--no-enable-prefix-caching", rich_help_panel=ENGINE_PANEL, show_default=False,

@@ -184,9 +184,25 @@ def machine_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def free_memory(device: str) -> int:
+    """Bytes of memory free now on the device the state lives on (CPU: MemAvailable)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def parse_memory(value: Any, device: str) -> int:
     """--kv-cache-memory: bytes (an integer, or a number with a unit: 512M, 2GiB) or a fraction
-    0 < f <= 1 of `machine_memory` -> bytes."""
+    0 < f <= 1 of `free_memory` now -> bytes."""
     import re
 
     text = str(value).strip().lower()
@@ -196,7 +212,7 @@ def parse_memory(value: Any, device: str) -> int:
                                 f"memory (e.g. 0.2), got {value!r}")
     number = float(m.group(1))
     if not m.group(2) and 0 < number <= 1 and "." in m.group(1):
-        return int(number * machine_memory(device))
+        return int(number * free_memory(device))
     n = int(number * _UNITS[m.group(2)])
     if n < 1:
         raise EngineConfigError(f"--kv-cache-memory must be positive, got {value!r}")

@@ -20,7 +20,7 @@ fields of a built config always hold concrete values (except `profile_dir`):
   prefill chunk fits beside a full batch of decode steps;
 * `max_model_len` None -> max_position_embeddings (the model's whole context), and in
   single-dispatch mode at most the single-dispatch limit;
-* `kv_cache_memory` (bytes, "2GiB", or a fraction of memory) -> `kv_cache_blocks`, the
+* `kv_cache_memory` (bytes, "2GiB", or a fraction of free memory) -> `kv_cache_blocks`, the
   pool of state blocks of `block_size` positions; None -> max_num_seqs requests at
   max_model_len, within a quarter of the machine's memory. A pool that cannot hold one
   request at max_model_len is refused, naming the bytes;

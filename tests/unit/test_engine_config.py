@@ -15,6 +15,7 @@ import torch
 from dsv4.config import block_entry_bytes
 from safetensors.torch import save_file
 
+from dsv4.engine.checks import free_memory
 from dsv4.engine.config import EngineConfig, EngineConfigError
 
 TINY = {
@@ -348,8 +349,11 @@ def test_kv_cache_memory_sizes_the_pool_and_refuses_one_too_small(ckpt: Path) ->
     for given, blocks in ((f"{10 * per}", 10), (f"{10 * per + per - 1}", 10), ("1MiB", 2**20 // per)):
         c = EngineConfig.create(model=str(ckpt), max_model_len=1000, num_speculative_tokens=0, kv_cache_memory=given)
         assert c.kv_cache_blocks == blocks and c.kv_cache_memory == blocks * per
-    frac = EngineConfig.create(model=str(ckpt), num_speculative_tokens=0, kv_cache_memory="0.01")
-    assert frac.kv_cache_blocks == int(0.01 * (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))) // per
+    assert 0 < free_memory("cpu") <= os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with pytest.MonkeyPatch.context() as mp:  # a fraction of the memory free at startup
+        mp.setattr("dsv4.engine.checks.free_memory", lambda device: 10**9)
+        frac = EngineConfig.create(model=str(ckpt), num_speculative_tokens=0, kv_cache_memory="0.01")
+    assert frac.kv_cache_blocks == 10**7 // per
     msg = err(EngineConfig.create, model=str(ckpt), max_model_len=1000, num_speculative_tokens=0,
               kv_cache_memory=str(3 * per))
     assert "--kv-cache-memory" in msg and f"{4 * per}" in msg and "--max-model-len" in msg  # names the bytes
