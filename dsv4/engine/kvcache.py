@@ -26,7 +26,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .request import Request
@@ -264,3 +264,35 @@ def saved_limit(config, state) -> int:
     """How many ring snapshots the prefix cache keeps: an eighth of the pool's bytes (16 to
     1024). `state`: the runner's `ModelState` (`saved_bytes`)."""
     return max(16, min(1024, config.kv_cache_memory // 8 // max(1, state.saved_bytes())))
+
+
+class SavedRings:
+    """The runner's side of the prefix cache (one per rank): the rings saved by key, with the
+    pending hidden row and the MTP backlog of the prefill that saved them, so that a hit
+    resumes the drafter too. It applies a step's `KVPlan` to a `Runner`'s state."""
+
+    def __init__(self) -> None:
+        self.by_key: dict[bytes, tuple[Any, Any, Any]] = {}
+
+    def apply(self, runner: Any, kv: KVPlan) -> None:
+        """Before a step's dispatch: block tables, then hits' rings (before drops: a key can
+        be loaded and dropped in one step)."""
+        for slot, blocks in kv.tables.items():
+            runner.state.assign(slot, blocks)
+        for slot, key in kv.loads.items():
+            rings, pending, backlog = self.by_key[key]
+            runner.reset_slot(slot)
+            runner.state.load_rings(slot, rings)
+            if pending is not None:
+                runner.pending[slot] = pending
+            if backlog is not None:
+                runner.backlog[slot] = (backlog[0], list(backlog[1]), list(backlog[2]))
+        for key in kv.drops:
+            self.by_key.pop(key, None)
+
+    def save(self, runner: Any, kv: KVPlan) -> None:
+        """After a step: the rings of the slots whose prefill reached a save point."""
+        for slot, key in kv.saves.items():
+            bl = runner.backlog.get(slot)
+            self.by_key[key] = (runner.state.save_rings(slot), runner.pending.get(slot),
+                                None if bl is None else (bl[0], list(bl[1]), list(bl[2])))

@@ -55,7 +55,7 @@ from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .drafting import propose
 from .grammar import draft_masks
-from .kvcache import KVPlan
+from .kvcache import KVPlan, SavedRings
 from .plan import broadcast, plan_message
 from .request import Request
 from .logprobs import TokenLogprob
@@ -87,7 +87,7 @@ class Runner:
                                      max_chunk=max(max_chunk, num_spec) + 1, max_spec=num_spec + 1,
                                      num_blocks=num_blocks, block_size=block_size)
         # +1: the MTP dispatch of a last prefill chunk also takes the pending row
-        self.saved: dict[bytes, tuple] = {}  # prefix cache: key -> (rings, pending row, MTP backlog)
+        self.saved = SavedRings()  # prefix cache: key -> (rings, pending row, MTP backlog)
         self.pending: dict[int, torch.Tensor] = {}  # slot -> h of the last prefilled row [hc, D]
         self.drafts: dict[int, list[int]] = {}  # slot -> drafts for the next decode step
         self.draft_q: dict[int, torch.Tensor] = {}  # slot -> their distributions [k, V] (unseeded sampled only)
@@ -155,30 +155,6 @@ class Runner:
             self.state.free(s)
             self.state.assign(s, held[s])
 
-    # ------------------------------------------------------------------ prefix cache
-    def apply(self, kv: KVPlan) -> None:
-        """Before a step's dispatch: block tables, hits' rings (before drops: a key can be
-        loaded and dropped in one step)."""
-        for slot, blocks in kv.tables.items():
-            self.state.assign(slot, blocks)
-        for slot, key in kv.loads.items():
-            rings, pending, backlog = self.saved[key]
-            self.reset_slot(slot)
-            self.state.load_rings(slot, rings)
-            if pending is not None:
-                self.pending[slot] = pending
-            if backlog is not None:
-                self.backlog[slot] = (backlog[0], list(backlog[1]), list(backlog[2]))
-        for key in kv.drops:
-            self.saved.pop(key, None)
-
-    def save(self, kv: KVPlan) -> None:
-        """After a step: the rings of the slots whose prefill reached its save point."""
-        for slot, key in kv.saves.items():
-            bl = self.backlog.get(slot)
-            self.saved[key] = (self.state.save_rings(slot), self.pending.get(slot),
-                               None if bl is None else (bl[0], list(bl[1]), list(bl[2])))
-
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def execute(self, prefills: list[tuple[Request, int, int]],
@@ -191,10 +167,10 @@ class Runner:
                                                          or r.grammar is not None for r, *_ in prefills + decodes)
             broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts, kv))
         if kv is not None:
-            self.apply(kv)
+            self.saved.apply(self, kv)
         results = self._execute(prefills, decodes)
         if kv is not None:
-            self.save(kv)
+            self.saved.save(self, kv)
         return results
 
     def _execute(self, prefills: list[tuple[Request, int, int]],

@@ -153,7 +153,7 @@ def test_eviction_makes_a_miss_never_a_stale_hit(tiny_checkpoint):
     kv = warm.engine.scheduler.kv
     assert 0 < kv.hits < kv.queries and kv.available == 5
     assert len(kv.block_of) <= 5 and set(kv.saved) <= set(kv.block_of)
-    assert set(warm.engine.runner.saved) == set(kv.saved)  # what the runner holds is what the cache names
+    assert set(warm.engine.runner.saved.by_key) == set(kv.saved)  # what the runner holds is what the cache names
 
 
 def test_two_ranks_agree_on_every_hit(tiny_checkpoint):
