@@ -5,6 +5,12 @@
     >>> /clear                 forget the conversation
     >>> /bye                   leave (Ctrl-D too)
 
+With `--tools FILE` (models with a chat template) the tools are rendered into every turn;
+the calls an answer makes print as `[tool call ID] NAME ARGUMENTS` lines (no DSML), and
+the session asks for each call's result (`NAME> `: the line typed is the tool's output),
+then sends them back for the model to go on, as an agent loop does. `--tool-choice`
+required or a name forces a call on each of your turns (not on the answers to results).
+
 A model whose tokenizer has DeepSeek's chat tokens gets the conversation rendered with its
 chat template (`Tokenizer.encode_chat`, token ids sent raw); a model without them (the
 embedded Shakespeare model) continues the transcript: everything said so far, each turn
@@ -36,14 +42,17 @@ SETTABLE = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, 
 class Session:
     """The conversation and the parameters of one chat; `turn(text)` returns the prompt to send."""
 
-    def __init__(self, tokenizer: Any, system: str | None = None, thinking: bool = False) -> None:
+    def __init__(self, tokenizer: Any, system: str | None = None, thinking: bool = False,
+                 tools: list[dict[str, Any]] | None = None, tool_choice: str = "auto") -> None:
         self.tokenizer, self.system, self.thinking = tokenizer, system, thinking
+        self.tools, self.tool_choice = tools, tool_choice
         self.template = tokenizer is not None and tokenizer.has_chat_tokens
-        self.messages: list[dict[str, str]] = []
+        self.messages: list[dict[str, Any]] = []
+        self.pending: list[dict[str, Any]] = []  # the last answer's tool calls still waiting for a result
         self.params: dict[str, Any] = {"max_tokens": 256}
 
     def clear(self) -> None:
-        self.messages = []
+        self.messages, self.pending = [], []
 
     def command(self, line: str) -> str | None:
         """Run a /command; returns what to print, or None for /bye. Raises ValueError on a bad one."""
@@ -72,17 +81,44 @@ class Session:
             return HELP
         raise ValueError(f"unknown command {name}; {HELP}")
 
-    def prompt(self, user_text: str) -> tuple[str | list[int], str]:
-        """The prompt for the conversation plus `user_text`, and its mode (raw)."""
+    def prompt(self, user_text: str | None) -> tuple[str | list[int], str]:
+        """The prompt for the conversation plus `user_text` (None: after tool results), and its
+        mode (raw)."""
         from dsv4.engine.tokenizer import chat_prompt
 
-        msgs = self.messages + [{"role": "user", "content": user_text}]
+        msgs = self.messages + ([{"role": "user", "content": user_text}] if user_text is not None else [])
         if self.template and self.system:
             msgs = [{"role": "system", "content": self.system}] + msgs
-        return chat_prompt(self.tokenizer, msgs, thinking=self.thinking and self.template), "raw"
+        options = {"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}
+        return chat_prompt(self.tokenizer, msgs, thinking=self.thinking and self.template, **options), "raw"
 
-    def answered(self, user_text: str, answer: str) -> None:
-        self.messages += [{"role": "user", "content": user_text}, {"role": "assistant", "content": answer}]
+    def turn_params(self, user_text: str | None) -> dict[str, Any]:
+        """The sampling parameters of a turn: a forced tool call on the user's turns only."""
+        from dsv4.cli.tools import tool_params
+
+        return {**self.params, **(tool_params(self.tools, self.tool_choice) if user_text is not None else {})}
+
+    def answered(self, user_text: str | None, answer: str, reasoning: str = "",
+                 calls: list[dict[str, Any]] | None = None) -> None:
+        """The answer to `user_text` (None: to tool results), with its reasoning (kept in the
+        history when tools are on, as DeepSeek's encoding does) and its tool calls, which now
+        wait for their results (`tool_result`)."""
+        if user_text is not None:
+            self.messages.append({"role": "user", "content": user_text})
+        msg: dict[str, Any] = {"role": "assistant", "content": answer}
+        if reasoning and self.tools:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = calls
+        self.messages.append(msg)
+        self.pending = list(calls or [])
+
+    def tool_result(self, text: str) -> bool:
+        """The result of the first waiting call; True when every call has its result (the
+        model goes on)."""
+        call = self.pending.pop(0)
+        self.messages.append({"role": "tool", "tool_call_id": call["id"], "content": text})
+        return not self.pending
 
 
 def check_params(params: dict[str, Any]) -> None:
@@ -106,9 +142,10 @@ def _readline() -> Callable[[str], str]:
 
 
 def run_chat(socket: str | None, system: str | None = None, thinking: bool = False,
-             params: Optional[dict[str, Any]] = None, api_key: str | None = None) -> int:
+             params: Optional[dict[str, Any]] = None, api_key: str | None = None,
+             tools: list[dict[str, Any]] | None = None, tool_choice: str = "auto") -> int:
     """The interactive loop against the daemon; returns the exit status."""
-    from dsv4.daemon.client import Client, DaemonError
+    from dsv4.daemon.client import Client
     from dsv4.daemon.paths import resolve_endpoint
     from dsv4.engine.tokenizer import Tokenizer, TokenizerError
 
@@ -120,16 +157,19 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
             tokenizer = Tokenizer.from_dir(model) if model and Path(model).is_dir() else None
         except TokenizerError:
             tokenizer = None
-        session = Session(tokenizer, system, thinking)
-        if (system is not None or thinking) and tokenizer is not None and not session.template:
-            raise CliError(f"{'--think' if thinking else '--system'}: this model has no chat template, so no "
-                           f"{'thinking mode' if thinking else 'system prompt'}", O.EXIT_USAGE)
+        session = Session(tokenizer, system, thinking, tools, tool_choice)
+        if (system is not None or thinking or tools) and not session.template:
+            what = "--tools" if tools else "--think" if thinking else "--system"
+            raise CliError(f"{what}: this model has no chat template, so no "
+                           f"{'tools' if tools else 'thinking mode' if thinking else 'system prompt'}", O.EXIT_USAGE)
         session.params.update(params or {})
         O.err(f"dsv4 chat with {Path(model).name or 'the daemon'} "
-              f"({'chat template' if session.template else 'plain continuation'}); /bye to leave, /? for help")
+              f"({'chat template' if session.template else 'plain continuation'}"
+              f"{f', {len(tools)} tool(s)' if tools else ''}); /bye to leave, /? for help")
         while True:
+            waiting = session.pending[0]["function"]["name"] if session.pending else None
             try:
-                line = read(PROMPT)
+                line = read(f"{waiting}> " if waiting else PROMPT)
             except EOFError:
                 print(file=sys.stderr)
                 return O.EXIT_OK
@@ -137,7 +177,7 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
                 print("^C", file=sys.stderr)
                 continue
             text = line.strip()
-            if not text:
+            if not text and not waiting:
                 continue
             if text.startswith("/"):
                 try:
@@ -149,26 +189,50 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
                     return O.EXIT_OK
                 O.err(out)
                 continue
-            prompt, mode = session.prompt(text)
-            answer: list[str] = []
-            rid = None
-            try:
-                rid = client.generate(prompt, dict(session.params), mode=mode)
-                for msg in client.stream(rid):
-                    if msg["type"] == "delta":
-                        answer.append(msg.get("text") or "")
-                        sys.stdout.write(msg.get("text") or "")
-                        sys.stdout.flush()
-                    elif msg.get("error"):
-                        O.err(f"\ndsv4: {msg['error']}")
-                print()
-                session.answered(text, "".join(answer))
-            except KeyboardInterrupt:
-                if rid is not None:
-                    client.cancel(rid)
-                print("\n(answer cancelled)", file=sys.stderr)
-            except DaemonError as e:
-                O.err(f"dsv4: {e.message}" + (" (/clear starts over)" if "max_model_len" in e.message else ""))
+            if waiting:  # the line is that tool's result; the model goes on once every call has one
+                if not session.tool_result(line):
+                    continue
+                text = None
+            _answer(client, session, text)
+
+
+def _answer(client: Any, session: Session, user_text: str | None) -> None:
+    """One turn: stream the answer to `user_text` (None: to tool results), its tool calls
+    as lines after it; Ctrl-C cancels it."""
+    from dsv4.cli.tools import ToolText, call_line
+    from dsv4.daemon.client import DaemonError
+
+    prompt, mode = session.prompt(user_text)
+    parts = ToolText(session.tools, session.thinking) if session.tools else None
+    answer: list[str] = []
+    rid, final = None, {}
+    try:
+        rid = client.generate(prompt, session.turn_params(user_text), mode=mode)
+        for msg in client.stream(rid):
+            if msg["type"] == "delta":
+                piece = msg.get("text") or ""
+                answer.append(piece)
+                sys.stdout.write(parts.feed(piece) if parts is not None else piece)
+                sys.stdout.flush()
+            elif msg.get("error"):
+                O.err(f"\ndsv4: {msg['error']}")
+            else:
+                final = msg
+        if parts is not None:
+            sys.stdout.write(parts.finish(cut=final.get("finish_reason") == "length"))
+            print()
+            for call in parts.calls:
+                print(call_line(call))
+            session.answered(user_text, parts.content, parts.reasoning, parts.calls)
+        else:
+            print()
+            session.answered(user_text, "".join(answer))
+    except KeyboardInterrupt:
+        if rid is not None:
+            client.cancel(rid)
+        print("\n(answer cancelled)", file=sys.stderr)
+    except DaemonError as e:
+        O.err(f"dsv4: {e.message}" + (" (/clear starts over)" if "max_model_len" in e.message else ""))
 
 
 def chat(
@@ -180,11 +244,13 @@ def chat(
         help="Sampling temperature; 0 = greedy [default: the model's generation_config.json, else 0]")] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", metavar="N", callback=O.int_range(1),
                                             help="Most tokens per answer.")] = 256,
+    tools: O.Tools = None, tool_choice: O.ToolChoice = "auto",
     socket: O.Socket = None, api_key: O.ApiKey = None,
 ) -> None:
     if not sys.stdin.isatty():
         raise CliError("dsv4 chat needs a terminal; use 'dsv4 run' in pipelines", O.EXIT_USAGE)
+    tool_list, choice = O.read_tool_options(tools, tool_choice)
     params: dict[str, Any] = {"max_tokens": max_tokens}
     if temperature is not None:
         params["temperature"] = temperature
-    raise typer.Exit(run_chat(socket, system, think, params, api_key))
+    raise typer.Exit(run_chat(socket, system, think, params, api_key, tool_list, choice))

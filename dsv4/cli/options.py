@@ -108,6 +108,12 @@ ApiKey = Annotated[Optional[str], typer.Option(
     help="Shared secret every request must carry (ZeroMQ requests; 'Authorization: Bearer KEY' over HTTP); "
          "required to serve on a non-loopback address. Prefer the environment variable: a flag is visible "
          "to other users in ps [env: DSV4_API_KEY]")]
+Tools = Annotated[Optional[str], typer.Option(
+    "--tools", metavar="FILE", help="OpenAI function tools (a JSON list) the model may call: rendered into "
+    "the prompt; its calls print as lines after the answer (--json: tool_calls).")]
+ToolChoice = Annotated[str, typer.Option(
+    "--tool-choice", metavar="CHOICE", help="With --tools: auto (the model decides), none (tools not rendered), "
+    "required or a function's name (a call forced by a grammar).")]
 Model = Annotated[Optional[Path], typer.Option(
     "--model", metavar="DIR", rich_help_panel=ENGINE_PANEL,
     help="Checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: the embedded "
@@ -315,3 +321,15 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
     except RankError as e:
         raise CliError(str(e)) from None
     raise typer.Exit(code)
+
+
+def read_tool_options(tools: str | None, choice: str) -> tuple[list[dict[str, Any]] | None, str]:
+    """--tools FILE and --tool-choice -> (the tools, checked, or None; the choice): a usage
+    error naming the flag otherwise."""
+    from dsv4.cli.tools import check_choice, read_tools
+
+    try:
+        tool_list = read_tools(tools) if tools is not None else None
+        return tool_list, check_choice(choice, tool_list)
+    except ValueError as e:
+        raise CliError(str(e), EXIT_USAGE) from None

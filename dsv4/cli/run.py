@@ -64,9 +64,7 @@ def run(
     system: Annotated[Optional[str], typer.Option("--system", metavar="TEXT", help="System prompt (chat mode).")]
     = None,
     think: Annotated[bool, typer.Option("--think", help="Thinking mode: the answer starts with <think>.")] = False,
-    tools: Annotated[Optional[str], typer.Option(
-        "--tools", metavar="FILE", help="OpenAI function tools (a JSON list) the model may call: rendered into "
-        "the prompt; its calls print as JSON lines after the answer (--json: tool_calls).")] = None,
+    tools: O.Tools = None, tool_choice: O.ToolChoice = "auto",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end instead of streaming.")]
     = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print timings and MTP statistics to stderr.")]
@@ -95,14 +93,7 @@ def run(
         tensor_parallel_size=tensor_parallel_size)
     if raw and (system is not None or think or tools is not None):
         raise CliError("--system, --think and --tools need the chat template; drop --raw", O.EXIT_USAGE)
-    tool_list = None
-    if tools is not None:
-        from dsv4.cli.tools import read_tools
-
-        try:
-            tool_list = read_tools(tools)
-        except ValueError as e:
-            raise CliError(str(e), O.EXIT_USAGE) from None
+    tool_list, choice = O.read_tool_options(tools, tool_choice)
     if local:
         O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
@@ -115,13 +106,16 @@ def run(
     if prompt is None and not local and not as_json and _isatty(sys.stdin) and _isatty(sys.stdout):
         from dsv4.cli.chat import run_chat  # no prompt on a terminal: an interactive session
 
-        if tool_list is not None:
-            raise CliError("--tools needs a prompt: the chat session does not take tools", O.EXIT_USAGE)
-
-        raise typer.Exit(run_chat(socket, system, think, params, api_key))
+        raise typer.Exit(run_chat(socket, system, think, params, api_key, tool_list, choice))
     text = read_prompt(prompt)
     if stop:
         params["stop"] = list(stop)
+    if tool_list is not None:
+        from dsv4.cli.tools import tool_params
+
+        params.update(tool_params(tool_list, choice))
+        if choice == "none":  # as the API does it: the tools are not rendered, no call is parsed
+            tool_list = None
     request = dict(prompt=text, params=params, mode="raw" if raw else "auto", system=system, thinking=think,
                    tools=tool_list)
     out = Output(as_json=as_json, show_drafts=show_drafts, tools=tool_list, thinking=think)

@@ -53,11 +53,13 @@ class ToolText:
         self._parser = DSMLStreamParser(tools)
         self._in_reasoning = thinking
         self.content = ""
+        self.reasoning = ""
 
     def _content(self, reasoning: str, content: str, final: bool, cut: bool) -> str:
         events = self._parser.feed(content) + (self._parser.finish(cut) if final else [])
         text = "".join(e.text for e in events if isinstance(e, ContentDelta))
         self.content += text
+        self.reasoning += reasoning
         tag = ""
         if self._in_reasoning and not self._split.in_reasoning:  # the splitter took `</think>`: print it
             self._in_reasoning, tag = False, "</think>"
@@ -76,3 +78,36 @@ class ToolText:
     @property
     def finish_reason(self) -> str | None:
         return self._parser.finish_reason
+
+
+def check_choice(choice: str, tools: list[dict[str, Any]] | None) -> str:
+    """--tool-choice: auto, none, required or the name of one of `tools`; ValueError otherwise."""
+    from dsv4.agents.encoding import check_tool_choice
+
+    if tools is None:
+        if choice != "auto":
+            raise ValueError("--tool-choice needs --tools")
+        return choice
+    value: Any = choice if choice in ("auto", "none", "required") else {"type": "function",
+                                                                        "function": {"name": choice}}
+    try:
+        return check_tool_choice(value, check_tools(tools))
+    except EncodingError as e:
+        raise ValueError(f"--tool-choice: {e}") from None
+
+
+def tool_params(tools: list[dict[str, Any]] | None, choice: str) -> dict[str, Any]:
+    """Sampling parameters a tool choice adds: a forced call (required, or a name) is the
+    grammar of a DSML call (`structured`), as the HTTP API forces it."""
+    if tools is None or choice in ("auto", "none"):
+        return {}
+    from dsv4.http.toolgrammar import tool_call_ebnf
+
+    functions = check_tools(tools)
+    return {"structured": {"ebnf": tool_call_ebnf(functions, None if choice == "required" else choice)}}
+
+
+def call_line(call: dict[str, Any]) -> str:
+    """One tool call as the chat prints it: [tool call ID] NAME ARGUMENTS."""
+    fn = call["function"]
+    return f"[tool call {call['id']}] {fn['name']} {fn['arguments']}"

@@ -3,6 +3,8 @@ Ctrl-C cancelling an answer (not the session), /bye."""
 
 from __future__ import annotations
 
+import pytest
+
 import fcntl
 import os
 import pty
@@ -128,10 +130,16 @@ def test_set_refuses_what_the_daemon_would_refuse(daemon):
         t.close()
 
 
-def test_chat_think_without_a_chat_template_is_refused(daemon):
-    t = Pty("chat", "--think", endpoint=daemon.endpoint)
+@pytest.mark.parametrize(("flag", "says"), [(("--think",), "--think: this model has no chat template, so no "
+                                                            "thinking mode"),
+                                           (("--tools", "TOOLS"), "--tools: this model has no chat template, so no "
+                                                                  "tools")])
+def test_chat_think_or_tools_without_a_chat_template_is_refused(daemon, tmp_path, flag, says):
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]')
+    t = Pty("chat", *[str(tools) if a == "TOOLS" else a for a in flag], endpoint=daemon.endpoint)
     try:
-        t.expect("--think: this model has no chat template, so no thinking mode")
+        t.expect(says)
         assert t.proc.wait(20) == 2
     finally:
         t.close()

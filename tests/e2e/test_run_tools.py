@@ -71,3 +71,47 @@ def test_bad_tools_are_usage_errors(v4_model, daemon, tmp_path, tools_file) -> N
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--tools" in r.stderr, r.stderr
     r = dsv4("run", "--raw", "--tools", str(tools_file), "hi", endpoint=daemon.endpoint)
     assert r.returncode == 2 and "drop --raw" in r.stderr, r.stderr
+
+
+CITY = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                          "parameters": {"type": "object", "properties": {
+                                              "city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                                              "required": ["city"]}}}]
+
+
+def test_chat_calls_a_tool_takes_its_result_and_goes_on(daemon, tmp_path) -> None:
+    """`dsv4 chat --tools F --tool-choice required` on a terminal: the forced call prints as a
+    line (no DSML), the session asks for its result by the tool's name, then the model goes on."""
+    from tests.e2e.test_chat import Pty
+
+    f = tmp_path / "tools.json"
+    f.write_text(json.dumps(CITY))
+    t = Pty("chat", "--tools", str(f), "--tool-choice", "required", "--max-tokens", "200", "--temperature", "0",
+            endpoint=daemon.endpoint)
+    try:
+        t.expect("1 tool(s)")
+        t.expect(">>> ")
+        t.send("Weather in Paris?\r")
+        shown = t.expect("get_weather> ")
+        assert "[tool call call_" in shown and 'get_weather {"city": "' in shown and "DSML" not in shown, shown
+        t.send("sunny, 21 C\r")
+        t.expect(">>> ", timeout=120)  # the answer to the result (tool_choice auto now), then your turn
+        t.send("/bye\r")
+        assert t.proc.wait(20) == 0
+    finally:
+        t.close()
+
+
+def test_run_tool_choice(daemon, tools_file) -> None:
+    """required forces a call (a grammar); none leaves the tools out of the prompt; a name
+    that is not a tool, or a choice without tools, is a usage error."""
+    forced = _run("--tools", str(tools_file), "--tool-choice", "required", "--max-tokens", "40", "Hi",
+                  endpoint=daemon.endpoint)
+    assert forced["text"].startswith("\n\n<｜DSML｜tool_calls>") and forced["content"] == ""
+    none = _run("--tools", str(tools_file), "--tool-choice", "none", "Hi", endpoint=daemon.endpoint)
+    plain = _run("Hi", endpoint=daemon.endpoint)
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] < forced["usage"]["prompt_tokens"]
+    for args, says in ((("--tools", str(tools_file), "--tool-choice", "nope"), "--tool-choice"),
+                       (("--tool-choice", "required"), "--tool-choice needs --tools")):
+        r = dsv4("run", *args, "Hi", endpoint=daemon.endpoint)
+        assert r.returncode == 2 and says in r.stderr, r.stderr
