@@ -39,6 +39,7 @@ class TokenLogprob:
     token_id: int
     logprob: float | None  # None: the first prompt token (nothing before it)
     top: list[tuple[int, float]]  # [(token id, logprob)] * n, descending
+    rank: int | None = None  # 1 + the tokens more likely than it (vLLM's rank)
 
 
 def gather(lp: torch.Tensor, tokens: Sequence[int], ns: Sequence[int]) -> list[TokenLogprob]:
@@ -49,7 +50,9 @@ def gather(lp: torch.Tensor, tokens: Sequence[int], ns: Sequence[int]) -> list[T
     if r == 0:
         return []
     dev = lp.device
-    chosen = lp[torch.arange(r, device=dev), torch.tensor(list(tokens), dtype=torch.long, device=dev)].tolist()
+    picked = lp[torch.arange(r, device=dev), torch.tensor(list(tokens), dtype=torch.long, device=dev)]
+    ranks = ((lp > picked[:, None]).sum(dim=-1) + 1).tolist()
+    chosen = picked.tolist()
     k = min(max(ns), lp.shape[1])
     if k:
         vals, ids = lp.topk(k, dim=-1)  # [R, k], sorted descending
@@ -57,7 +60,7 @@ def gather(lp: torch.Tensor, tokens: Sequence[int], ns: Sequence[int]) -> list[T
     out = []
     for i in range(r):
         top = list(zip(ids[i][:ns[i]], vals[i][:ns[i]])) if k else []
-        out.append(TokenLogprob(int(tokens[i]), chosen[i], top))
+        out.append(TokenLogprob(int(tokens[i]), chosen[i], top, ranks[i]))
     return out
 
 
@@ -87,13 +90,13 @@ class TokenTexts:
         return hit
 
     def entry(self, t: TokenLogprob) -> dict[str, Any]:
-        """One position for the wire: {id, token, bytes, logprob, top: [{id, token, bytes, logprob}]}."""
+        """One position for the wire: {id, token, bytes, logprob, rank, top: [{id, token, bytes, logprob}]}."""
         text, raw = self.get(t.token_id)
         top = []
         for i, v in t.top:
             tt, tb = self.get(i)
             top.append({"id": i, "token": tt, "bytes": tb, "logprob": v})
-        return {"id": t.token_id, "token": text, "bytes": raw, "logprob": t.logprob, "top": top}
+        return {"id": t.token_id, "token": text, "bytes": raw, "logprob": t.logprob, "rank": t.rank, "top": top}
 
     def entries(self, ts: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
         return [self.entry(t) for t in ts]

@@ -10,6 +10,10 @@ OpenAI's reply shapes.
   tokens come first, the first one with null logprob and top_logprobs. `text_offset` counts
   characters from the start of the choice's text and continues across stream chunks.
 
+* vLLM's `prompt_logprobs` (completions and chat, `prompt_logprobs_of`): per prompt position
+  null (the first) or {token id: {logprob, rank, decoded_token}} holding the prompt's token
+  and the n most likely there (`vllm_prompt`), the raw log-softmax of the model.
+
 A logprob of -inf (a token the request's top-k / top-p removed; nil on the wire) is
 reported as -9999.0, as vLLM does: JSON has no infinity.
 """
@@ -72,3 +76,29 @@ class CompletionLogprobs:
             out["token_logprobs"].append(lp)
             out["top_logprobs"].append(top)
         return out
+
+
+def prompt_logprobs_of(body: dict[str, Any], most: int) -> int | None:
+    """vLLM's `prompt_logprobs` field: None, or the top tokens per prompt position (0..most);
+    ValueError naming it otherwise."""
+    v = body.get("prompt_logprobs")
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= most:
+        raise ValueError(f"prompt_logprobs must be an integer in [0, {most}], got {v!r:.40}")
+    return v
+
+
+def vllm_prompt(entries: list[dict[str, Any]], n: int) -> list[dict[str, dict[str, Any]] | None]:
+    """Prompt wire entries -> vLLM's prompt_logprobs: null for the first, then {id: {logprob,
+    rank, decoded_token}} of the prompt's token and the n most likely (ranks 1..n)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e["logprob"] is None:
+            out.append(None)
+            continue
+        d = {str(t["id"]): {"logprob": _lp(t["logprob"]), "rank": r, "decoded_token": t["token"]}
+             for r, t in enumerate(e["top"][:n], start=1)}
+        d[str(e["id"])] = {"logprob": _lp(e["logprob"]), "rank": e.get("rank"), "decoded_token": e["token"]}
+        out.append(d)
+    return out

@@ -71,6 +71,8 @@ class Replies:
         self.lp_all: list[Any] = [[] if chat else L.empty_completion() for _ in range(n)]  # every entry so far
         self.lp_new: list[Any] = [[] if chat else L.empty_completion() for _ in range(n)]  # not yet in a chunk
         self.lp_parts = [L.CompletionLogprobs() for _ in range(n)] if not chat else []
+        self.prompt_lp: list[list | None] = [None] * n  # vLLM's prompt_logprobs of each choice
+        self.prompt_lp_unsent = [False] * n
         # completions with echo: the prompt's text until it is sent (a token-id prompt's comes with its logprobs)
         self.echo_text: list[str | None] = [p if parsed.echo and isinstance(p, str) else None
                                             for p in (self.prompt_of(i) for i in range(n))]
@@ -118,11 +120,14 @@ class Replies:
     def _logprobs(self, i: int, msg: dict[str, Any]) -> None:
         """Take a delta's logprobs (and, with echo, the prompt's) into choice i."""
         prompt = msg.get("prompt_logprobs")
+        if prompt is not None and self.parsed.prompt_logprobs is not None:
+            self.prompt_lp[i], self.prompt_lp_unsent[i] = L.vllm_prompt(prompt, self.parsed.prompt_logprobs), True
         if self.parsed.echo and prompt is not None and not isinstance(self.prompt_of(i), str):
             self.echo_text[i] = L.prompt_text(prompt)
         if self.parsed.logprobs is None:
             return
-        entries = (prompt if self.parsed.echo and prompt is not None else []) + (msg.get("logprobs") or [])
+        echoed = [{**e, "top": e["top"][:self.parsed.logprobs]} for e in prompt or []] if self.parsed.echo else []
+        entries = echoed + (msg.get("logprobs") or [])
         if self.chat:
             new = L.chat_entries(entries)
             self.lp_all[i].extend(new)
@@ -168,6 +173,8 @@ class Replies:
             choice = {"index": i, "delta": delta, "logprobs": self._chunk_logprobs(i), "finish_reason": reason}
         else:
             choice = {"index": i, "text": content, "logprobs": self._chunk_logprobs(i), "finish_reason": reason}
+        if self.prompt_lp_unsent[i]:  # vLLM's: in the choice's first chunk
+            choice["prompt_logprobs"], self.prompt_lp_unsent[i] = self.prompt_lp[i], False
         self.started[i] = True
         return [self.chunk([choice])]
 
@@ -191,9 +198,10 @@ class Replies:
             logprobs = None
             if self.parsed.logprobs is not None:
                 logprobs = {"content": self.lp_all[i], "refusal": None} if self.chat else self.lp_all[i]
+            extra = {"prompt_logprobs": self.prompt_lp[i]} if self.parsed.prompt_logprobs is not None else {}
             if not self.chat:
                 choices.append({"index": i, "text": self.content[i], "logprobs": logprobs,
-                                "finish_reason": self.reasons[i]})
+                                "finish_reason": self.reasons[i], **extra})
                 continue
             message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
             parser = self.tools[i]
@@ -203,6 +211,7 @@ class Replies:
                 message["tool_calls"] = calls
             if self.parsed.thinking:
                 message["reasoning_content"] = self.reasoning[i]
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": self.reasons[i]})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": self.reasons[i],
+                            **extra})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model_name, "choices": choices, "usage": self.usage()}

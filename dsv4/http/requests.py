@@ -38,6 +38,7 @@ from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, 
 from dsv4.engine.tokenizer import TokenizerError, chat_prompt
 from dsv4.engine.params import MAX_BIAS as _MAX_BIAS
 from dsv4.engine.params import MAX_LOGPROBS
+from dsv4.http import logprobs as L
 from dsv4.http.errors import ApiError  # noqa: F401  (importers take it from here too)
 from dsv4.http.errors import bad as _bad
 from dsv4.http.errors import short as _short
@@ -75,7 +76,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # vLLM's extensions that change the answer
     "min_tokens": (lambda v: v == 0 and not isinstance(v, bool), "min_tokens is not supported by this server"),
     "use_beam_search": (lambda v: v is False, "beam search is not supported by this server"),
-    "prompt_logprobs": (lambda v: v == 0, "prompt_logprobs are not supported by this server"),
     "allowed_token_ids": (_NEVER, "allowed_token_ids is not supported by this server"),
     "bad_words": (lambda v: v == [], "bad_words is not supported by this server"),
     "logits_processors": (lambda v: v == [], "logits_processors are not supported by this server"),
@@ -96,6 +96,7 @@ class Parsed:
     tools: list[dict[str, Any]] | None = None  # rendered in the prompt: the answer's DSML is parsed into tool_calls
     logprobs: int | None = None  # the reply carries logprobs with this many top tokens (None: no logprobs)
     echo: bool = False  # completions: the prompt (and its logprobs) before the answer
+    prompt_logprobs: int | None = None  # vLLM's: the choices carry the prompt's logprobs, n top tokens each
 
 
 MAX_N = 128  # OpenAI's bound
@@ -152,6 +153,11 @@ def _common(body: dict[str, Any], honoured: tuple[str, ...] = ()) -> tuple[dict[
         if stop:
             params["stop"] = stop
     refuse_unsupported(body, honoured)
+    try:
+        if (plp := L.prompt_logprobs_of(body, MAX_LOGPROBS)) is not None:
+            params["prompt_logprobs"] = plp
+    except ValueError as e:
+        raise _bad(str(e), "prompt_logprobs") from None
     if (spec := structured_of(body)) is not None:  # response_format, structured_outputs, guided_*
         params["structured"] = spec
     bias = logit_bias_of(body)
@@ -228,6 +234,7 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
     """POST /v1/completions: `prompt` is a string, a list of strings, token ids or lists of token ids."""
     params, stream, include_usage = _common(body, COMPLETION_FIELDS)
     lp, echo = completion_logprobs(body, params)
+    plp = params.get("prompt_logprobs")  # vLLM's field (_common)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts: list[str | list[int]] = [prompt]
@@ -244,8 +251,9 @@ def parse_completion(body: dict[str, Any]) -> Parsed:
     if any(isinstance(p, str) and not p for p in prompts) or any(isinstance(p, list) and not p for p in prompts):
         raise _bad("the prompt is empty", "prompt")
     if echo and (lp is not None or params.get("max_tokens") == 0 or any(isinstance(p, list) for p in prompts)):
-        params["prompt_logprobs"] = lp or 0  # the prompt's tokens (and the text of token-id prompts)
-    return Parsed(prompts, params, stream, include_usage, mode="raw", logprobs=lp, echo=echo, n=n_of(body))
+        params["prompt_logprobs"] = max(lp or 0, plp or 0)  # the prompt's tokens (and the text of token-id prompts)
+    return Parsed(prompts, params, stream, include_usage, mode="raw", logprobs=lp, echo=echo, n=n_of(body),
+                  prompt_logprobs=plp)
 
 
 def _content(msg: dict[str, Any], i: int) -> str:
@@ -364,7 +372,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
     tools = body["tools"] if chat.tool_choice != "none" and chat.functions else None
     lp = chat_logprobs(body, params)
     return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,
-                  logprobs=lp, n=n_of(body))
+                  logprobs=lp, n=n_of(body), prompt_logprobs=params.get("prompt_logprobs"))
 
 
 def parse_tokenize(body: dict[str, Any], tokenizer: Any) -> list[int]:

@@ -101,6 +101,41 @@ def test_lm_eval_loglikelihood_request(client, model):
     assert r0.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:40]
 
 
+def test_vllm_prompt_logprobs(client, model):
+    """vLLM's prompt_logprobs field (completions and chat, streamed and whole): null for the
+    first position, then the prompt token's logprob and rank and the n most likely, equal to a
+    full forward; echo's logprobs keep their own count of top tokens beside it."""
+    ids = torch.randint(3, 4096, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = _logprobs(model, ids)
+    r = client.completions.create(model=_name(client), prompt=ids, max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 3})
+    plp = r.model_dump()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == 30 and plp[0] is None
+    for j in range(1, 30):
+        row = full[j - 1]
+        mine = plp[j][str(ids[j])]
+        assert abs(mine["logprob"] - row[ids[j]].item()) <= TOL
+        assert mine["rank"] == int((row > row[ids[j]]).sum()) + 1
+        ranked = {e["rank"]: int(t) for t, e in plp[j].items() if e["rank"] <= 3}
+        assert [ranked[k] for k in (1, 2, 3)] == row.topk(3).indices.tolist() and len(plp[j]) in (3, 4)
+    streamed = [c.model_dump()["choices"][0].get("prompt_logprobs") for c in client.completions.create(
+        model=_name(client), prompt=ids, max_tokens=2, temperature=0, stream=True, extra_body={"prompt_logprobs": 3})
+        if c.choices]
+    assert streamed[0] == plp and all(p is None for p in streamed[1:])
+    echo = client.completions.create(model=_name(client), prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                     echo=True, extra_body={"prompt_logprobs": 5}).choices[0]
+    assert all(len(t) <= 2 for t in echo.logprobs.top_logprobs[1:])  # echo: logprobs 1's own count
+    assert all(len(d) in (5, 6) for d in echo.model_dump()["prompt_logprobs"][1:])  # and prompt_logprobs 5's
+    chat = client.chat.completions.create(model=_name(client), messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=1, extra_body={"prompt_logprobs": 0})
+    cp = chat.model_dump()["choices"][0]["prompt_logprobs"]
+    assert cp[0] is None and all(len(d) == 1 for d in cp[1:])  # the prompt's token only
+    for bad in (-1, 21, "3", True):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model=_name(client), prompt="x", max_tokens=1,
+                                      extra_body={"prompt_logprobs": bad})
+
+
 def test_completion_stream_with_echo_equals_whole(client):
     kw = dict(model=_name(client), prompt="The king", max_tokens=6, temperature=0, logprobs=2, echo=True,
               extra_body={"ignore_eos": True})
