@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .kvcache import BlockManager, saved_limit
 from .metrics import EngineMetrics, RequestMetrics
 from .logprobs import TokenTexts
-from .ranks import RankError, Ranks, gather_weight_bytes
+from .ranks import RankError, Ranks, agree_pool, gather_weight_bytes
 from .request import Request, RequestError
 from .runner import Runner
 from .verify import StepResult
@@ -126,6 +126,8 @@ class Engine:
             raise
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
         self.weight_bytes = self.rank_weight_bytes[0]
+        if self.ranks is not None:
+            agree_pool(config)  # with the followers' agree_pool (ranks.py), at the same point
         self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config))
         # auto K: the policy picks 0..num_speculative_tokens per step, from costs timed now and while serving
         self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
@@ -295,8 +297,8 @@ class Engine:
         outs: list[RequestOutput] = []
         for req, start, n in plan.prefills:
             res = results.get(req.slot) if start + n == req.num_prefill_tokens else None
-            if res is not None and not req.recomputed and req.request_id in self._tracks:
-                self._tracks[req.request_id].metrics.cached_tokens = req.num_cached_tokens
+            if res is not None and req.request_id in self._tracks:
+                self._tracks[req.request_id].metrics.cached_tokens = req.prompt_cached_tokens
             toks = self.scheduler.on_prefill_done(req, n, res.tokens[0] if res else None)
             if res is not None:
                 outs.append(self._emit(req, toks, res, now))

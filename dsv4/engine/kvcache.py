@@ -77,6 +77,7 @@ class BlockManager:
         self.hash_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
         self.saved: OrderedDict[bytes, None] = OrderedDict()  # keys whose rings the runner holds: LRU first
+        self.saving: dict[int, bytes] = {}  # slot -> key its planned step saves under (committed by `register`)
         self.held: dict[int, list[int]] = {}  # slot -> block ids
         self.plan = KVPlan()  # this step's, handed to the runner by `take_plan`
         self.queries = self.hits = 0  # prompt tokens looked up / found (vllm:prefix_cache_*)
@@ -123,28 +124,48 @@ class BlockManager:
         return best * self.block_size, blocks[:best]
 
     def count(self, n_tokens: int, cached: int) -> None:
-        """A request was admitted with `cached` of its `n_tokens` prefill tokens from the cache."""
+        """A request was admitted for the first time with `cached` of its `n_tokens` prompt
+        tokens from the cache."""
         self.queries += n_tokens
         self.hits += cached
 
     def register(self, slot: int, hashes: list[bytes], n_tokens: int) -> None:
-        """The first `n_tokens` positions of `slot` are computed and committed: name its full
-        blocks among them by `hashes` (a hash already naming another block keeps that one)."""
+        """`slot`'s step succeeded and its first `n_tokens` positions are committed: name its full
+        blocks among them by `hashes` (a hash already naming another block keeps that one), and
+        commit the rings the step saved (`save`) if their chain is still cached (else the runner
+        forgets them)."""
         if not self.caching:
             return
         for b, h in zip(self.held.get(slot, [])[: n_tokens // self.block_size], hashes):
             if b not in self.hash_of and h not in self.block_of:
                 self.hash_of[b], self.block_of[h] = h, b
-
-    def save(self, slot: int, key: bytes) -> None:
-        """Ask the runner to save `slot`'s rings under `key` after this step."""
-        if not self.caching:
+        key = self.saving.pop(slot, None)
+        if key is None:
             return
-        self.plan.saves[slot] = key
+        if key not in self.block_of:  # its block was evicted in the very step that saved it
+            self._unsave(key)
+            return
         self.saved[key] = None
         self.saved.move_to_end(key)
         while len(self.saved) > self.max_saved:
             self.plan.drops.append(self.saved.popitem(last=False)[0])
+
+    def save(self, slot: int, key: bytes) -> None:
+        """Ask the runner to save `slot`'s rings under `key` after this step; they count once the
+        step has succeeded (`register`), so a failed step leaves no key without rings."""
+        if not self.caching:
+            return
+        if key in self.saved:  # the same prefix's rings are there already
+            self.saved.move_to_end(key)
+            return
+        self.plan.saves[slot] = key
+        self.saving[slot] = key
+
+    def _unsave(self, key: bytes) -> None:
+        """Rings the runner may hold under `key` without the cache naming them: forget them
+        (unless committed by another request)."""
+        if key not in self.saved:
+            self.plan.drops.append(key)
 
     def touch(self, key: bytes) -> None:
         """A hit used the rings saved under `key`: most recently used."""
@@ -171,7 +192,9 @@ class BlockManager:
         shared_idle = sum(1 for b in blocks if self.refs[b] == 0)
         if self.blocks_for(n + 1) - len(blocks) > self.available - shared_idle:
             return False
-        self.count(n, cached)
+        if not req.cache_counted:  # the first admission (not a recompute's, nor one preempted at once)
+            req.cache_counted, req.prompt_cached_tokens = True, cached
+            self.count(n, cached)
         self.share(slot, blocks)
         if cached:
             key = req.block_hashes[cached // self.block_size - 1]
@@ -234,6 +257,9 @@ class BlockManager:
         hits (most recently used last, a chain's tail before its head: eviction takes the tail
         first, and the rings saved at its end with it, so what stays cached is still a chain
         that can hit), the others are free again."""
+        key = self.saving.pop(slot, None)  # a save its step made (or, failed, did not) that never counted
+        if key is not None:
+            self._unsave(key)
         for b in reversed(self.held.pop(slot, [])):
             self.refs[b] -= 1
             if self.refs[b] == 0:
@@ -293,6 +319,6 @@ class SavedRings:
     def save(self, runner: Any, kv: KVPlan) -> None:
         """After a step: the rings of the slots whose prefill reached a save point."""
         for slot, key in kv.saves.items():
-            bl = runner.backlog.get(slot)
+            bl = runner.backlog.get(slot)  # copies: its rows are views of a whole step's hidden states
             self.by_key[key] = (runner.state.save_rings(slot), runner.pending.get(slot),
-                                None if bl is None else (bl[0], list(bl[1]), list(bl[2])))
+                                None if bl is None else (bl[0], [h.clone() for h in bl[1]], list(bl[2])))

@@ -117,6 +117,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     # (fewer drafts than a row's tokens; the calibration's dispatches, collectives included);
     # its choices are never used: every plan carries rank 0's K
     policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
+    agree_pool(config)
     runner = Runner.for_config(model, config, torch.device(dev), policy, scratch_slot=bool(config.compile))
     if config.compile:  # as rank 0 does, at the same point: a capture runs collectives
         from .compile_start import start_compiled
@@ -125,6 +126,15 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     if policy is not None:
         runner.calibrate()
     plan.follow(runner)
+
+
+def agree_pool(config: Any) -> None:
+    """Every rank sizes its block pool as rank 0 did: a --kv-cache-memory fraction is resolved
+    by each process against its own free memory, and rank 0 hands out the block ids. A
+    collective: rank 0 and every follower call it at the same point, before their runner."""
+    if parallel.world_size() > 1:
+        blocks = parallel.broadcast_object(config.kv_cache_blocks if parallel.rank() == 0 else None)
+        object.__setattr__(config, "kv_cache_blocks", blocks)  # frozen: rank 0's value, resolved
 
 
 def worker_main(rank: int, config: Any, addr: str, port: int, pipe: Any) -> None:

@@ -58,7 +58,9 @@ class Request:
     # Scheduler bookkeeping.
     num_scheduled_tokens: int = 0  # tokens given to this request by the latest schedule()
     last_scheduled_step: int = -1
-    num_cached_tokens: int = 0  # prefill tokens a prefix-cache hit gave it (usage: cached_tokens)
+    num_cached_tokens: int = 0  # prefill tokens a prefix-cache hit gave this admission
+    prompt_cached_tokens: int = 0  # ... its first admission (usage: cached_tokens)
+    cache_counted: bool = False  # its first admission went into the prefix cache's hit rate
     recomputed: int = 0  # outputs its prefill recomputes after a preemption (they stay output)
     block_hashes: list = field(default_factory=list, repr=False)  # chained hashes of its full prefill blocks
 

@@ -172,7 +172,8 @@ class Scheduler:
                                f"({self.kv.num_blocks * self.kv.block_size} positions); shorten the prompt "
                                f"or raise --kv-cache-memory")
         request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
+        request.num_computed_tokens = request.num_cached_tokens = request.recomputed = 0
+        request.cache_counted, request.block_hashes = False, []
         request.output_ids = []
         request.slot = None
         request.finish_reason = None

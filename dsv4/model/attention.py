@@ -50,22 +50,29 @@ def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor, max_pos
 
 
 ROW_MIN = 8  # rows with at least this many tokens attend against keys shared by the row
+SPAN_MIN = 2048  # short rows attend in groups by context: ends up to this, then each power of two above
 
 
-def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], torch.Tensor | None]:
-    """Long rows (slot, start, n, packed offset) and the packed indices of the other tokens
-    (None when there are none, or when every token is short: a static dispatch)."""
+def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], list[tuple[torch.Tensor | None, int]]]:
+    """Long rows (slot, start, n, packed offset), and the other tokens in groups (packed
+    indices, the group's highest position): rows whose context ends within the same power of
+    two (at least SPAN_MIN), so that a short row beside a long context does not pay for its
+    entries. None as indices: the group is every token (always, in a static dispatch)."""
     if batch.static:
-        return [], None
-    long_rows, short, off = [], [], 0
+        return [], [(None, batch.top())]
+    long_rows, groups, off = [], {}, 0
     for slot, start, n in batch.rows:
         if n >= ROW_MIN:
             long_rows.append((slot, start, n, off))
         else:
-            short.extend(range(off, off + n))
+            span = max(SPAN_MIN, 1 << (start + n - 1).bit_length())
+            idx, top = groups.get(span, ([], -1))
+            groups[span] = (idx + list(range(off, off + n)), max(top, start + n - 1))
         off += n
-    idx = torch.tensor(short, dtype=torch.long, device=batch.positions.device) if short else None
-    return long_rows, idx
+    if not long_rows and len(groups) == 1:
+        return [], [(None, batch.top())]
+    dev = batch.positions.device
+    return long_rows, [(torch.tensor(idx, dtype=torch.long, device=dev), top) for idx, top in groups.values()]
 
 
 class Attention(nn.Module):
@@ -131,18 +138,19 @@ class Attention(nn.Module):
                                     rope)
         # then reads: long rows (prefill chunks) against keys shared by the row, short rows
         # (decode, verify) each gathering its own keys
-        long_rows, short = batch.cached("split", lambda: split_rows(batch))
-        if not long_rows:
-            return self._out(self._attend_packed(head_w, qr, q, cis, pos, slots, ls, batch, ""), cis, batch, rope)
+        long_rows, groups = batch.cached("split", lambda: split_rows(batch))
+        if not long_rows and groups[0][0] is None:  # every token in one packed group
+            o = self._attend_packed(head_w, qr, q, cis, pos, slots, ls, batch, "", groups[0][1])
+            return self._out(o, cis, batch, rope)
         o = torch.empty_like(q)
         for slot, start, n, off in long_rows:
             sl = slice(off, off + n)
             hw = head_w[sl] if head_w is not None else None
             o[sl] = self._attend_row(hw, qr[sl], q[sl], rot_rows(cis, sl), slot, start, n, ls)
-        if short is not None:
-            hw = head_w[short] if head_w is not None else None
-            o[short] = self._attend_packed(hw, qr[short], q[short], rot_rows(cis, short), pos[short], slots[short],
-                                           ls, batch, "short")
+        for g, (idx, top) in enumerate(groups):
+            hw = head_w[idx] if head_w is not None else None
+            o[idx] = self._attend_packed(hw, qr[idx], q[idx], rot_rows(cis, idx), pos[idx], slots[idx], ls, batch,
+                                         f"short{g}", top)
         return self._out(o, cis, batch, rope)
 
     def _attend_row(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
@@ -168,14 +176,16 @@ class Attention(nn.Module):
         probs = self._softmax_with_sink(scores + bias.unsqueeze(1))
         return cast((cast(probs, keys.dtype).view(n * H, -1) @ keys).view(n, H, hd), q.dtype)
 
-    def _attend_packed(self, head_w, qr, q, cis, pos, slots, ls: LayerState, batch: Batch, tag: str) -> torch.Tensor:
-        """Queries [T] of different rows, each gathering its own window and entries -> o [T, H, hd]."""
+    def _attend_packed(self, head_w, qr, q, cis, pos, slots, ls: LayerState, batch: Batch, tag: str,
+                       top: int) -> torch.Tensor:
+        """Queries [T] of different rows (the highest at position `top`), each gathering its own
+        window and entries -> o [T, H, hd]."""
         T, hd, W, Rw = q.shape[0], self.head_dim, self.cfg.sliding_window, ls.win.shape[1]
         rows, bias = batch.cached((tag, "window", Rw, W), lambda: window_index(pos, slots, W, Rw))
         keys = flat_rows(ls.win).index_select(0, rows).view(T, W, hd)  # [T, W, hd]
         if self.kind != WINDOW:  # masks shared by every layer of this ratio in the dispatch
             n_ent, visible, full_bias = batch.cached((tag, "entries", self.ratio),
-                                                     lambda: entry_bias(pos, self.ratio, bias, batch.top()))
+                                                     lambda: entry_bias(pos, self.ratio, bias, top))
             if n_ent > 0:
                 if self.kind == CSA and n_ent > self.indexer.topk:
                     ikeys = ls.entries_of(slots, n_ent, idx=True)  # [T, E, di]

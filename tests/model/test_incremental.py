@@ -97,7 +97,16 @@ def test_rollback_leaves_no_trace(tiny_model, k, one_dispatch):
     _snap_equal(tiny_model, state.snapshot(0), ref.snapshot(0), ids, [k + 6])
 
 
-def test_batched_decode_equals_single(tiny_model):
+@pytest.mark.parametrize("span", [2048, 16])  # 16: rows of contexts 5..64 attend in groups by context
+def test_batched_decode_equals_single(tiny_model, span, monkeypatch):
+    from dsv4.model import attention
+
+    monkeypatch.setattr(attention, "SPAN_MIN", span)
+    if span == 16:  # one dispatch of four groups and a long row (a prefill chunk) beside them
+        b = Batch.build([(0, 3, [1]), (1, 40, [2, 3]), (2, 100, list(range(9))), (3, 17, [4])])
+        long_rows, groups = attention.split_rows(b)
+        assert long_rows == [(2, 100, 9, 3)]
+        assert [(g.tolist(), top) for g, top in groups] == [([0], 3), ([1, 2], 41), ([12], 17)]
     lens = [5, 33, 64, 17]
     prompts = [_ids(n + 4, seed=10 + i) for i, n in enumerate(lens)]
     batched = tiny_model.new_state(4, 128, max_chunk=64)

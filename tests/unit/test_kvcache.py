@@ -117,3 +117,51 @@ def test_a_long_prefill_saves_every_save_every_blocks_and_at_its_last_boundary()
     assert [kv.save_point(r, s) for s in (0, 5, every, 2 * every, 76)] == [every, every, 2 * every, 76, 0]
     r.num_cached_tokens = 2 * every  # a hit: the next save is after it
     assert kv.save_point(r, 2 * every) == 76
+
+
+def test_a_failed_step_leaves_no_key_without_rings():
+    """Rings count once their step succeeded (`register`): a step that failed (its request then
+    cancelled) or a request aborted during it leaves the key unsaved and tells the runner to
+    forget whatever it stored."""
+    kv = BlockManager(16, B)
+    a = _req(list(range(10)))
+    assert kv.admit(a, 0)
+    a.slot = 0
+    assert kv.grow(0, 3)
+    kv.prefilled(a, 0, 8)
+    key = a.block_hashes[1]
+    assert kv.take_plan().saves == {0: key} and key not in kv.saved
+    kv.release(0)  # the step failed: no register, the request was cancelled
+    assert key not in kv.saved and kv.take_plan().drops == [key]
+    b = _req(list(range(10)) + [7])
+    _prefill(kv, b, 1)  # the same prefix, this time committed
+    assert key in kv.saved and kv.take_plan().saves == {1: key}
+    c = _req(list(range(10)), "c")
+    _prefill(kv, c, 2)  # a hit at 8: nothing to save again
+    assert c.num_cached_tokens == 8 and not kv.take_plan().saves
+
+
+def test_saving_the_same_prefix_twice_keeps_one_and_an_abort_does_not_drop_it():
+    kv = BlockManager(16, B)
+    a, b = _req(list(range(10)), "a"), _req(list(range(10)), "b")
+    for r, slot in ((a, 0), (b, 1)):  # admitted together: neither hits
+        assert kv.admit(r, slot)
+        r.slot = slot
+        assert kv.grow(slot, 3)
+        kv.prefilled(r, 0, 8)
+    kv.register(0, a.block_hashes, 8)
+    kv.take_plan()
+    kv.release(1)  # b aborted before its step counted: a's rings stay
+    assert a.block_hashes[1] in kv.saved and kv.take_plan().drops == []
+
+
+def test_the_first_admission_alone_counts_in_the_hit_rate():
+    kv = BlockManager(16, B)
+    _prefill(kv, _req(list(range(10)), "a"), 0)
+    kv.release(0)
+    r = _req(list(range(10)) + [1, 2], "r")
+    assert kv.admit(r, 1) and r.prompt_cached_tokens == 8
+    kv.release(1)  # preempted: admitted again later
+    r.num_cached_tokens = 0
+    assert kv.admit(r, 1)
+    assert (kv.queries, kv.hits) == (10 + 12, 8)
