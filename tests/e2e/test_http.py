@@ -125,7 +125,7 @@ def test_bad_parameters_are_400(client, extra):
 
 
 @pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("field, value", [("response_format", {"type": "structural_tag"}), ("prompt_logprobs", 1),
+@pytest.mark.parametrize("field, value", [("response_format", {"type": "structural_tag"}),
                                           ("reasoning_effort", "high"), ("min_tokens", 3), ("tools", [{}]),
                                           ("guided_json", 3), ("top_logprobs", 2)])
 def test_fields_dsv4_does_not_honour_are_400_naming_them(client, chat, field, value):
