@@ -28,7 +28,8 @@ start=$SECONDS
 
 # e2e files the third run takes once its exactness tiers are done (they finish first), so
 # that the e2e run does not set the suite's time alone
-late_e2e=(tests/e2e/test_http_tokenize.py tests/e2e/test_http_logprobs.py tests/e2e/test_http_structured.py)
+late_e2e=(tests/e2e/test_http_tokenize.py tests/e2e/test_http_logprobs.py tests/e2e/test_http_structured.py
+          tests/e2e/test_run_tools.py)
 
 tier() {
   local status=0 cap mkl
