@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from run import drive, hf_model  # noqa: E402
+from run import drive, heldout_prompts, hf_model  # noqa: E402
 
 import dsv4  # noqa: E402
 from dsv4 import LLM, SamplingParams  # noqa: E402
@@ -37,14 +37,6 @@ from dsv4.engine.tokenizer import Tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = dsv4.DEFAULT_MODEL
-
-
-def heldout_ids() -> list[int]:
-    tok = Tokenizer.from_dir(MODEL)
-    ids: list[int] = []
-    for f in sorted((ROOT / "data" / "shakespeare" / "heldout").glob("*.txt")):
-        ids += tok.encode(f.read_text(encoding="utf-8"))
-    return ids
 
 
 def engine(cache: bool, **kw) -> LLM:
@@ -78,7 +70,7 @@ def repeat(text: list[int], reps: int) -> None:
 def chat(text: list[int], turns: int) -> None:
     cold, warm = engine(False), engine(True)
     transcript, pos = text[:3000], 3000
-    print(f"\n| turn | prompt tokens | TTFT cold ms | TTFT cached ms | cached / cold | cached tokens | same |")
+    print("\n| turn | prompt tokens | TTFT cold ms | TTFT cached ms | cached / cold | cached tokens | same |")
     print("|---|---|---|---|---|---|---|")
     last = None
     for turn in range(1, turns + 1):
@@ -125,7 +117,7 @@ def decode(text: list[int], new: int, reps: int) -> None:
     hf = hf_model(MODEL, "cpu", torch.float32)
     llm = LLM(MODEL, num_speculative_tokens=0, max_num_seqs=1, max_model_len=8192, enable_prefix_caching=False)
     st = llm.engine.runner.state
-    print(f"\n| context | dsv4 ms/token | transformers ms/token | transformers / dsv4 | dsv4 state bytes | "
+    print("\n| context | dsv4 ms/token | transformers ms/token | transformers / dsv4 | dsv4 state bytes | "
           f"transformers cache bytes |\n|---|---|---|---|---|---|")
     for ctx in (256, 1024, 4096, 8192 - new - 1):
         prompt = text[:ctx]
@@ -157,9 +149,8 @@ def main() -> None:
     ap.add_argument("--agent-requests", type=int, default=100)
     ap.add_argument("--new", type=int, default=32, help="decode: tokens per measurement")
     a = ap.parse_args()
-    text = heldout_ids()
-    if len(text) < 8192 + 64 * a.agent_requests:
-        raise SystemExit(f"benchmarks/prefix_cache.py: {len(text)} held-out tokens, fewer than the sections need")
+    # one window of the held-out texts, as long as the sections need (heldout_prompts refuses fewer)
+    text = heldout_prompts(Tokenizer.from_dir(MODEL), ROOT / "data" / "shakespeare", 1, 8192 + 64 * a.agent_requests)[0]
     for name in a.sections.split(","):
         {"repeat": lambda: repeat(text, a.reps), "chat": lambda: chat(text, a.turns),
          "agent": lambda: agent(text, a.agent_requests), "decode": lambda: decode(text, a.new, a.reps)}[name]()
