@@ -118,7 +118,7 @@ def decode(text: list[int], new: int, reps: int) -> None:
     llm = LLM(MODEL, num_speculative_tokens=0, max_num_seqs=1, max_model_len=8192, enable_prefix_caching=False)
     st = llm.engine.runner.state
     print("\n| context | dsv4 ms/token | transformers ms/token | transformers / dsv4 | dsv4 state bytes | "
-          f"transformers cache bytes |\n|---|---|---|---|---|---|")
+          "transformers cache bytes |\n|---|---|---|---|---|---|")
     for ctx in (256, 1024, 4096, 8192 - new - 1):
         prompt = text[:ctx]
         ids = torch.tensor([prompt])
