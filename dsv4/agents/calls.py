@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
+
 _BAD = object()  # "not JSON"
 
 
@@ -115,10 +116,6 @@ def _loads(text: str) -> Any:
         return json.loads(text.strip(), parse_constant=_reject)  # no NaN/Infinity
     except (ValueError, RecursionError):
         return _BAD
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
 
 
 def _typed(raw: str, written_string: bool, types: Optional[set[str]]) -> tuple[Any, Optional[str]]:

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Optional
 
 from .calls import (ContentDelta, Event, ParseResult, ToolCall, ToolCallArgs, ToolCallEnd,  # noqa: F401
-                    ToolCallStart, _dumps, _loads, _schemas, _typed, _types, make_call_id)
-from .encoding import DSML  # noqa: F401  (one spelling of the markup token; importers take it from here too)
+                    ToolCallStart, _loads, _schemas, _typed, _types, make_call_id)
+from .encoding import DSML, dumps  # noqa: F401  (one spelling of the markup token; importers take it from here too)
 
 TRUNCATED = "truncated"
 _OPENERS = ("<" + DSML, "</" + DSML)
@@ -221,7 +221,7 @@ class DSMLStreamParser:
         elif mode == "param":
             assert self._param is not None
             if self._param.stream:
-                self._args(_dumps(s)[1:-1])  # JSON escapes are per character
+                self._args(dumps(s)[1:-1])  # JSON escapes are per character
             else:
                 self._param.raw.append(s)
         elif mode == "invoke" and self._call is not None and self._call.nparams == 0:
@@ -282,7 +282,7 @@ class DSMLStreamParser:
 
     def _key(self, key: str) -> None:
         assert self._call is not None
-        self._args(("{" if self._call.first else ", ") + _dumps(key) + ": ")
+        self._args(("{" if self._call.first else ", ") + dumps(key) + ": ")
         self._call.first = False
 
     def _start_invoke(self, name: str) -> None:
@@ -325,13 +325,13 @@ class DSMLStreamParser:
             if isinstance(v, dict):
                 for k, x in v.items():
                     self._key(str(k))
-                    self._args(_dumps(x))
+                    self._args(dumps(x))
                 return
         value, err = _typed(raw, p.written_string, p.types)
         if err and call.error is None:
             call.error = f"parameter {p.name!r}: {err}"
         self._key(p.name)
-        self._args(_dumps(value))
+        self._args(dumps(value))
 
     def _end_invoke(self, error: Optional[str]) -> None:
         call = self._call
@@ -348,7 +348,7 @@ class DSMLStreamParser:
                     obj = v
             if not isinstance(obj, dict):
                 obj, error = {}, error or "the invoke body is not a JSON object"
-            self._args(_dumps(obj))
+            self._args(dumps(obj))
         else:
             self._args("}")
         error, self._call = error or call.error, None

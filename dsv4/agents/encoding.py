@@ -303,7 +303,8 @@ def _template(text: str) -> list[Piece]:
     return [Special(p, optional=p == DSML) if k % 2 else p for k, p in enumerate(parts) if p]
 
 
-def _json(value: Any) -> str:
+def dumps(value: Any) -> str:
+    """JSON as DeepSeek's encoder writes it, and the tool-call arguments too (non-ASCII kept)."""
     return json.dumps(value, ensure_ascii=False)
 
 
@@ -315,7 +316,7 @@ def _tool_calls(calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Piece]:
         for j, (key, value) in enumerate(args.items()):
             string = isinstance(value, str)
             out += _template(f"\n<{DSML}parameter name=\"" if j else f"<{DSML}parameter name=\"")
-            out += [key, f'" string="{"true" if string else "false"}">', value if string else _json(value)]
+            out += [key, f'" string="{"true" if string else "false"}">', value if string else dumps(value)]
             out += _template(f"</{DSML}parameter>")
         out += _template(f"\n</{DSML}invoke>")
     return out + _template(f"\n</{DSML}tool_calls>")
@@ -323,7 +324,7 @@ def _tool_calls(calls: Sequence[tuple[str, dict[str, Any]]]) -> list[Piece]:
 
 def tools_block(functions: Sequence[Mapping[str, Any]]) -> list[Piece]:
     """The "## Tools" block for these functions (their JSON schemas as plain text)."""
-    return _template(_TOOLS_HEAD) + ["\n".join(_json(f) for f in functions)] + _template(_TOOLS_TAIL)
+    return _template(_TOOLS_HEAD) + ["\n".join(dumps(f) for f in functions)] + _template(_TOOLS_TAIL)
 
 
 def render(messages: Sequence[Mapping[str, Any]], options: ChatOptions = ChatOptions()) -> list[Piece]:
@@ -337,7 +338,7 @@ def render(messages: Sequence[Mapping[str, Any]], options: ChatOptions = ChatOpt
     if functions and choice != "none":
         extra += ["\n\n"] + tools_block(functions)
     if options.response_format is not None:
-        extra += ["\n\n" + _FORMAT_HEAD, _json(options.response_format)]
+        extra += ["\n\n" + _FORMAT_HEAD, dumps(options.response_format)]
     if extra:
         system = next((t for t in turns if t.role == "system"), None)
         if system is None:
