@@ -46,6 +46,9 @@ class Session:
                  tools: list[dict[str, Any]] | None = None, tool_choice: str = "auto") -> None:
         self.tokenizer, self.system, self.thinking = tokenizer, system, thinking
         self.tools, self.tool_choice = tools, tool_choice
+        from dsv4.cli.tools import tool_params
+
+        self.forced = tool_params(tools, tool_choice)  # what a forced choice adds to the user's turns
         self.template = tokenizer is not None and tokenizer.has_chat_tokens
         self.messages: list[dict[str, Any]] = []
         self.pending: list[dict[str, Any]] = []  # the last answer's tool calls still waiting for a result
@@ -94,9 +97,7 @@ class Session:
 
     def turn_params(self, user_text: str | None) -> dict[str, Any]:
         """The sampling parameters of a turn: a forced tool call on the user's turns only."""
-        from dsv4.cli.tools import tool_params
-
-        return {**self.params, **(tool_params(self.tools, self.tool_choice) if user_text is not None else {})}
+        return {**self.params, **(self.forced if user_text is not None else {})}
 
     def answered(self, user_text: str | None, answer: str, reasoning: str = "",
                  calls: list[dict[str, Any]] | None = None) -> None:

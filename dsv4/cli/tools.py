@@ -99,12 +99,10 @@ def check_choice(choice: str, tools: list[dict[str, Any]] | None) -> str:
 def tool_params(tools: list[dict[str, Any]] | None, choice: str) -> dict[str, Any]:
     """Sampling parameters a tool choice adds: a forced call (required, or a name) is the
     grammar of a DSML call (`structured`), as the HTTP API forces it."""
-    if tools is None or choice in ("auto", "none"):
-        return {}
-    from dsv4.http.toolgrammar import tool_call_ebnf
+    from dsv4.http.toolgrammar import forced_call
 
-    functions = check_tools(tools)
-    return {"structured": {"ebnf": tool_call_ebnf(functions, None if choice == "required" else choice)}}
+    spec = forced_call(check_tools(tools), choice) if tools is not None else None
+    return {"structured": spec} if spec is not None else {}
 
 
 def call_line(call: dict[str, Any]) -> str:

@@ -43,7 +43,7 @@ from dsv4.http.errors import ApiError  # noqa: F401  (importers take it from her
 from dsv4.http.errors import bad as _bad
 from dsv4.http.errors import short as _short
 from dsv4.http.structured import structured_of
-from dsv4.http.toolgrammar import tool_call_ebnf
+from dsv4.http.toolgrammar import forced_call
 
 # OpenAI field -> SamplingParams field (max_completion_tokens is the newer name of max_tokens)
 _PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "ignore_eos",
@@ -367,8 +367,7 @@ def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:
         if "structured" in params:
             raise _bad("tool_choice required or named cannot be combined with a structured output field",
                        "tool_choice")
-        params["structured"] = {"ebnf": tool_call_ebnf(chat.functions, None if
-                                                       chat.tool_choice == "required" else chat.tool_choice)}
+        params["structured"] = forced_call(chat.functions, chat.tool_choice)
     tools = body["tools"] if chat.tool_choice != "none" and chat.functions else None
     lp = chat_logprobs(body, params)
     return Parsed([chat.prompt], params, stream, include_usage, mode="raw", thinking=chat.thinking, tools=tools,

@@ -91,3 +91,11 @@ def tool_call_ebnf(functions: Sequence[Mapping[str, Any]], name: str | None = No
     root = (f"root ::= {_lit(chr(10) * 2 + f'<{DSML}tool_calls>' + chr(10))} ({invoke}) "
             f"(\"\\n\" ({invoke}))* {_lit(chr(10) + f'</{DSML}tool_calls>')}")
     return "\n".join([root, *rules]) + _JSON_RULES
+
+
+def forced_call(functions: Sequence[Mapping[str, Any]], choice: str) -> dict[str, str] | None:
+    """The structured-output spec a tool choice forces ("required": a call of any of `functions`,
+    a function's name: a call of that one), None for "auto" and "none"."""
+    if choice in ("auto", "none"):
+        return None
+    return {"ebnf": tool_call_ebnf(functions, None if choice == "required" else choice)}
