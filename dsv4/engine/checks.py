@@ -184,20 +184,27 @@ def machine_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def free_memory(device: str) -> int:
-    """Bytes of memory free now on the device the state lives on (CPU: MemAvailable)."""
+    """Bytes of memory free now on the device the state lives on (CPU: MemAvailable, else the
+    free pages)."""
     if device.startswith("cuda"):
         import torch
 
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    free = available_memory()
+    return free if free is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def parse_memory(value: Any, device: str) -> int:

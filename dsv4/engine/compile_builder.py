@@ -39,18 +39,6 @@ def spawn(config: Any) -> subprocess.Popen:
     return proc
 
 
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def stop(proc: subprocess.Popen | None) -> None:
     """End a builder (closing its pipe, then terminating what is left)."""
     if proc is None:

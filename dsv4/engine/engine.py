@@ -22,7 +22,7 @@ import torch
 
 from ..model.loader import load_model
 from .config import EngineConfig
-from .kvcache import BlockManager, saved_limit
+from .kvcache import BlockManager
 from .metrics import EngineMetrics, RequestMetrics
 from .logprobs import TokenTexts
 from .ranks import RankError, Ranks, agree_pool, gather_weight_bytes
@@ -128,12 +128,11 @@ class Engine:
         self.weight_bytes = self.rank_weight_bytes[0]
         if self.ranks is not None:
             agree_pool(config)  # with the followers' agree_pool (ranks.py), at the same point
-        self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config))
         # auto K: the policy picks 0..num_speculative_tokens per step, from costs timed now and while serving
         self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
         self.runner = Runner.for_config(self.model, config, self.device, self.policy,
                                         scratch_slot=config.compile is not False)
-        self.scheduler.kv.max_saved = saved_limit(config, self.runner.state)
+        self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config, self.runner.state))
         self.compile_note = ""  # the banner's line
         if config.compile:
             from .compile_start import start_compiled
@@ -244,7 +243,8 @@ class Engine:
         steps = self.runner.compiled
         if self.config.compile != "auto" or steps is None or not steps.missing() or self._builder is not None:
             return ""
-        from .compile_builder import available_memory, spawn
+        from .checks import available_memory
+        from .compile_builder import spawn
 
         free = available_memory()
         if free is not None and free < 2 * self.weight_bytes:  # the builder loads its own copy of the weights

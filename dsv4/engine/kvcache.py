@@ -83,11 +83,15 @@ class BlockManager:
         self.queries = self.hits = 0  # prompt tokens looked up / found (vllm:prefix_cache_*)
 
     @classmethod
-    def for_config(cls, config) -> "BlockManager":
-        """The pool an `EngineConfig` sized (kv_cache_blocks of block_size), its cache keyed by
-        what else changes the state: model, dtype, quantization, tensor-parallel size."""
+    def for_config(cls, config, state) -> "BlockManager":
+        """The pool an `EngineConfig` sized (kv_cache_blocks of block_size) for the runner's
+        `ModelState` `state`, its cache keyed by what else changes the state: model, dtype,
+        quantization, tensor-parallel size; ring snapshots up to an eighth of the pool's bytes
+        (16 to 1024)."""
         root = f"{config.model}|{config.dtype}|{config.quantization}|tp{config.tensor_parallel_size}"
-        return cls(config.kv_cache_blocks, config.block_size, caching=config.enable_prefix_caching, root=root)
+        max_saved = max(16, min(1024, config.kv_cache_memory // 8 // max(1, state.saved_bytes())))
+        return cls(config.kv_cache_blocks, config.block_size, caching=config.enable_prefix_caching,
+                   max_saved=max_saved, root=root)
 
     # ------------------------------------------------------------------ accounting
     @property
@@ -285,11 +289,6 @@ class BlockManager:
                 "prefix_cache_hits": self.hits,
                 "prefix_cache_hit_rate": self.hits / self.queries if self.queries else 0.0}
 
-
-def saved_limit(config, state) -> int:
-    """How many ring snapshots the prefix cache keeps: an eighth of the pool's bytes (16 to
-    1024). `state`: the runner's `ModelState` (`saved_bytes`)."""
-    return max(16, min(1024, config.kv_cache_memory // 8 // max(1, state.saved_bytes())))
 
 
 class SavedRings:

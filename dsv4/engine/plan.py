@@ -66,7 +66,7 @@ def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[R
     step's `KVPlan` (block tables, ring loads / saves / drops: every rank keeps its own
     rings and applies the same plan, so they agree on every hit)."""
     return ([(r.slot, s, n, r.prefill_ids if s == r.num_cached_tokens else None, r.num_spec,
-              r.params.prompt_logprobs is not None and not r.recomputed)
+              r.wants_prompt_logprobs)
              for r, s, n in prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
              for r, n in decodes], k_draft, sync_drafts, kv)

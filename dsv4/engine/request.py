@@ -70,6 +70,11 @@ class Request:
         return self.prompt_ids + self.output_ids[: self.recomputed] if self.recomputed else self.prompt_ids
 
     @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill reports the prompt's logprobs (asked for, and not a recompute's again)."""
+        return self.params.prompt_logprobs is not None and not self.recomputed
+
+    @property
     def num_prefill_tokens(self) -> int:
         return len(self.prompt_ids) + self.recomputed
 

@@ -185,7 +185,7 @@ class Runner:
             rows.append((req.slot, start, req.prefill_ids[start:start + n]))
             want.append(("prefill", req, start, off, n))
             m = min(n, req.num_prompt_tokens - 1 - start)  # rows followed by a prompt token
-            if req.params.prompt_logprobs is not None and m > 0 and not req.recomputed:
+            if req.wants_prompt_logprobs and m > 0:
                 prompt_rows.append((req, start, m))
                 pidx.extend(range(off, off + m))
             if start + n == req.num_prefill_tokens:  # the last chunk samples the first (next) token
@@ -235,12 +235,14 @@ class Runner:
         are prompt rows (`prompt_rows`), whose logprobs gather per slot until the last chunk's
         result takes them."""
         results = sample_verify(samples, logits[:n_sample], self.draft_q)
+        head = lambda req: [TokenLogprob(req.prompt_ids[0], None, [])]  # noqa: E731 (the first has no logprob)
         for (req, _, _), got in zip(prompt_rows, prompt_logprobs(prompt_rows, logits[n_sample:])):
-            self.prompt_lp.setdefault(req.slot, [TokenLogprob(req.prompt_ids[0], None, [])]).extend(got)
-        for req, _, _, drafts in samples:  # the first prompt token has no logprob
-            if drafts is None and req.params.prompt_logprobs is not None and not req.recomputed:
-                results[req.slot].prompt_logprobs = (self.prompt_lp.pop(req.slot, None)
-                                                     or [TokenLogprob(req.prompt_ids[0], None, [])])
+            if req.slot not in self.prompt_lp:
+                self.prompt_lp[req.slot] = head(req)
+            self.prompt_lp[req.slot].extend(got)
+        for req, _, _, drafts in samples:
+            if drafts is None and req.wants_prompt_logprobs:
+                results[req.slot].prompt_logprobs = self.prompt_lp.pop(req.slot, None) or head(req)
         return results
 
     def _forward(self, batch: Batch, logit_idx: torch.Tensor | None, decode: bool):

@@ -187,12 +187,9 @@ class Scheduler:
             return
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+            request.slot = None
         else:
-            self.running.remove(request)
-            heapq.heappush(self._free_slots, request.slot)
-            if self.kv is not None:
-                self.kv.release(request.slot)
-        request.slot = None
+            self._release_slot(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self._by_id.pop(request.request_id, None)
@@ -330,20 +327,26 @@ class Scheduler:
         if self.kv is None:
             return True
         need = self.kv.blocks_for(end)
+        victims: list[Request] | None = None
         while not self.kv.grow(req.slot, need):
-            newer = self.running[self.running.index(req) + 1:]
-            victims = [r for r in newer if r.num_scheduled_tokens == 0]
+            if victims is None:  # newer requests not planned in this step, the newest last
+                victims = [r for r in self.running[self.running.index(req) + 1:] if r.num_scheduled_tokens == 0]
             if not victims:
                 return False
-            self._preempt(victims[-1])
+            self._preempt(victims.pop())
         return True
+
+    def _release_slot(self, req: Request) -> None:
+        """Take a running request out of the running set, with its slot and blocks."""
+        self.running.remove(req)
+        heapq.heappush(self._free_slots, req.slot)
+        if self.kv is not None:
+            self.kv.release(req.slot)
+        req.slot = None
 
     def _preempt(self, req: Request) -> None:
         """Release `req`'s slot and blocks; it waits first in line to be recomputed."""
-        self.running.remove(req)
-        heapq.heappush(self._free_slots, req.slot)
-        self.kv.release(req.slot)
-        req.slot = None
+        self._release_slot(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = req.num_cached_tokens = 0
         req.recomputed = len(req.output_ids)
@@ -370,7 +373,7 @@ class Scheduler:
             raise ValueError(f"{request!r}: {n} prefill tokens were not scheduled")
         request.num_computed_tokens += n
         request.num_scheduled_tokens = 0
-        if self.kv is not None:
+        if self.kv is not None and self.kv.caching:  # (without caching nothing is named: no hashing)
             self.kv.register(request.slot, self.kv.hashes(request), request.num_computed_tokens)
         last = request.num_computed_tokens == request.num_prefill_tokens
         if last != (token_id is not None):

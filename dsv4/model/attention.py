@@ -65,9 +65,9 @@ def split_rows(batch: Batch) -> tuple[list[tuple[int, int, int, int]], list[tupl
         if n >= ROW_MIN:
             long_rows.append((slot, start, n, off))
         else:
-            span = max(SPAN_MIN, 1 << (start + n - 1).bit_length())
-            idx, top = groups.get(span, ([], -1))
-            groups[span] = (idx + list(range(off, off + n)), max(top, start + n - 1))
+            g = groups.setdefault(max(SPAN_MIN, 1 << (start + n - 1).bit_length()), [[], -1])  # [indices, top]
+            g[0].extend(range(off, off + n))
+            g[1] = max(g[1], start + n - 1)
         off += n
     if not long_rows and len(groups) == 1:
         return [], [(None, batch.top())]

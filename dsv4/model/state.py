@@ -133,6 +133,11 @@ def flat_rows(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, t.shape[-1])
 
 
+def _ring_index(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The rows of a slotted ring [slots, R, d] that hold positions lo..hi-1 ([hi - lo])."""
+    return torch.arange(lo, hi, device=t.device) % t.shape[1]
+
+
 def gather_entries(pool: torch.Tensor, table: torch.Tensor, slots, n: int) -> torch.Tensor:
     """The first `n` entries of each slot in `slots` (an int, or a tensor [T]) from a block
     pool [blocks, per_block, d] through the block table [slots, blocks] -> [n, d] or [T, n, d]."""
@@ -280,7 +285,7 @@ class ModelState:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every state tensor: the layers' in order, then the MTP block's, then the block table."""
-        return [t for ls in self.layers + ([self.mtp] if self.mtp is not None else []) for t in ls.tensors()] + [self.table]
+        return [t for ls in self._layer_states() for t in ls.tensors()] + [self.table]
 
     def rebound(self, tensors: list[torch.Tensor]) -> "ModelState":
         """A shallow copy (bookkeeping shared) whose state tensors are `tensors` (in
@@ -333,7 +338,7 @@ class ModelState:
         rows = []
         for ls, name, lo, hi in self._spans(slot):
             t = getattr(ls, name)
-            rows.append(t[slot, torch.arange(lo, hi, device=t.device) % t.shape[1]].clone())
+            rows.append(t[slot, _ring_index(t, lo, hi)])  # advanced indexing: a copy already
         return self.lengths[slot], self.mtp_lengths[slot], rows
 
     def load_rings(self, slot: int, saved: tuple[int, int, list[torch.Tensor]]) -> None:
@@ -342,7 +347,7 @@ class ModelState:
         self.lengths[slot], self.mtp_lengths[slot], rows = saved
         for (ls, name, lo, hi), r in zip(self._spans(slot), rows, strict=True):
             t = getattr(ls, name)
-            t[slot].index_copy_(0, torch.arange(lo, hi, device=t.device) % t.shape[1], r)
+            t[slot].index_copy_(0, _ring_index(t, lo, hi), r)
 
     def saved_bytes(self) -> int:
         """Bytes of one `save_rings` at a block boundary (its largest)."""
@@ -362,7 +367,7 @@ class ModelState:
                  for i, ls in enumerate(self._layer_states())}
         for ls, name, lo, hi in self._spans(slot):
             t = getattr(ls, name)
-            out[f"{names[id(ls)]}.{name}"] = t[slot, torch.arange(lo, hi, device=t.device) % t.shape[1]]
+            out[f"{names[id(ls)]}.{name}"] = t[slot, _ring_index(t, lo, hi)]
         for i, ls in enumerate(self.layers):
             n = self.lengths[slot] // ls.ratio if ls.ratio else 0
             if ls.kind != WINDOW:
