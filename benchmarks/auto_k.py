@@ -90,7 +90,7 @@ def tpot(a: argparse.Namespace) -> None:
     holder: dict = {"counter": Counter()}
     catch = {"n": 0, "pairs": 0, "s": 0.0}
     instrument(auto, holder, catch)
-    calib = {"verify": dict(auto.engine.policy.verify.points), "draft": dict(auto.engine.policy.draft.points)}
+    calib = {n: dict(getattr(auto.engine.policy, n).points) for n in ("verify", "draft", "verify_host", "draft_host")}
     default = auto.engine.default_params.__dict__
     modes = {"greedy": SamplingParams(max_tokens=a.gen, ignore_eos=True),
              "temperature 0 over generation_config (run --temperature 0)":
@@ -124,12 +124,18 @@ def tpot(a: argparse.Namespace) -> None:
         print("  auto chose " + ", ".join(f"K={k}: {100 * n / total:.0f}%" for k, n in sorted(cnt.items()))
               + f" of {total} steps; catch-ups {catch['n']} over {catch['pairs']} pairs, {1e3 * catch['s']:.1f} ms; "
               f"K by step (first round): {''.join(map(str, seqs[0][:80]))}", flush=True)
+        pol = arms["auto"].engine.policy  # the last auto engine of this mode
+        print("  its estimates at the end: " + ", ".join(f"K={k} {pol.throughput(1, k):.0f} tok/s"
+                                                         for k in range(pol.max_k + 1))
+              + f"; acceptance {', '.join(f'{x:.2f}' for x in pol.acceptance)}", flush=True)
     pol = arms["auto"].engine.policy
     fmt = lambda d: ", ".join(f"{n}: {1e3 * s:.2f}" for n, s in sorted(d.items())[:6])  # noqa: E731
     print(f"calibrated (first auto engine): verify ms by tokens {fmt(calib['verify'])}; MTP ms by rows "
-          f"{fmt(calib['draft'])}")
+          f"{fmt(calib['draft'])}; choosing tokens, by rows {fmt(calib['verify_host'])}; proposing drafts, "
+          f"by rows {fmt(calib['draft_host'])}")
     print(f"at the end (last auto engine): verify ms by tokens {fmt(pol.verify.points)}; MTP ms by rows "
-          f"{fmt(pol.draft.points)}; overhead {1e3 * pol.overhead:.2f} ms; acceptance "
+          f"{fmt(pol.draft.points)}; choosing tokens {fmt(pol.verify_host.points)}; proposing drafts "
+          f"{fmt(pol.draft_host.points)}; overhead {1e3 * pol.overhead:.2f} ms; acceptance "
           f"{', '.join(f'{x:.2f}' for x in pol.acceptance)}"
           + (f"; level (serving / calibration) verify {pol.verify.level:.2f}, MTP {pol.draft.level:.2f}"
              if hasattr(pol.verify, "level") else ""))

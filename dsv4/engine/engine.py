@@ -141,7 +141,7 @@ class Engine:
         self.calibration_s = 0.0
         if self.policy is not None:
             t = time.perf_counter()
-            self.runner.calibrate()
+            self.runner.calibrate(self.default_params)
             self.calibration_s = time.perf_counter() - t
         self.metrics = EngineMetrics()
         self.profiler = _profiler(config)

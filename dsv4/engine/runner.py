@@ -59,6 +59,8 @@ from .kvcache import KVPlan, SavedRings
 from .plan import broadcast, plan_message
 from .request import Request
 from .logprobs import TokenLogprob
+from .calibration import calibrate
+from .params import SamplingParams
 from .spec_policy import SpecPolicy
 from .verify import StepResult, prompt_logprobs, sample_verify
 
@@ -116,44 +118,10 @@ class Runner:
         self.backlog.pop(slot, None)
         self.prompt_lp.pop(slot, None)
 
-    @torch.inference_mode()
-    def calibrate(self, repeats: int = 3) -> None:
-        """For auto K, before any request: the best of `repeats` timings (after a warm-up) of
-        decode-shaped dispatches of the main model and the MTP (1 row of 1, 2 and 1 + K tokens,
-        max_num_seqs rows of 1 and 1 + K), the shape of the policy's cost tables. As in serving
-        the tokens differ (identical ones route to the same experts: each verified token looked
-        half as dear). They run at position 0: a context would first run shapes serving has not
-        asked for yet (a prefill, attention over it), and under bfloat16 each new matmul shape
-        keeps ~1 MiB in oneDNN's kernel cache (+8 MiB of data segment on the w8a8 test model,
-        more than a tight RLIMIT_DATA left for the daemon's threads); the steps that run move
-        the tables' level to the real context's costs. The slots are freed again."""
-        pol, S, K, cfg = self.policy, self.max_num_seqs, self.num_spec, self.model.cfg
-        gen = torch.Generator().manual_seed(0)
-        ids = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
-        held = [list(self.state.blocks[s]) for s in range(S)]  # managed: none; calibration borrows one each
-        for s in range(S):
-            self.state.assign(s, held[s] or [s % self.state.num_blocks])
-        for b, n in sorted({(1, 1), (1, min(2, K + 1)), (1, K + 1), (S, 1), (S, K + 1)}):
-            last = torch.arange(n - 1, b * n, n, device=self.device)  # the row each request drafts from
-            best_v = best_d = float("inf")
-            for rep in range(repeats + 1):  # the first run of a shape warms up
-                rows = [(s, 0, ids(n)) for s in range(b)]
-                for s in range(b):
-                    self.state.free(s)
-                t = time.perf_counter()
-                hidden, logits = self._forward(Batch.build(rows, self.device), None, decode=True)
-                logits.argmax(dim=-1).tolist()
-                t_draft = time.perf_counter()
-                if self.model.has_mtp:
-                    _, lg = self._mtp_forward(Batch.build(rows, self.device), hidden, last)
-                    lg.argmax(dim=-1).tolist()
-                if rep:
-                    best_v, best_d = min(best_v, t_draft - t), min(best_d, time.perf_counter() - t_draft)
-            pol.verify.calibrate(b * n, best_v)
-            pol.draft.calibrate(b * n, best_d)
-        for s in range(S):
-            self.state.free(s)
-            self.state.assign(s, held[s])
+    def calibrate(self, params: SamplingParams | None = None) -> None:
+        """Auto K: the shapes of the policy's cost tables, before any request (`calibration.py`;
+        `params`: the engine's default sampling, for the host work of choosing tokens)."""
+        calibrate(self, params)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -210,6 +178,7 @@ class Runner:
         logit_idx = torch.tensor(idx + pidx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
             hidden, logits = self._forward(batch, logit_idx, decode=not prefills)
+        t_host = self._clock()
         with record_function("dsv4.sample_verify"):
             # rank 0 samples; under tensor parallelism the other ranks take its choices
             results = broadcast(self._choose(samples, logits, prompt_rows, len(idx))
@@ -222,8 +191,9 @@ class Runner:
             self._draft(want, hidden, results, timed=self.policy is not None and not prefills)
         if self.policy is not None:
             self.timed = {"verify": t_draft - t, "draft": time.perf_counter() - t_draft}
-            if not prefills:  # a pure decode step: its cost by token count; the MTP's outside its dispatches
-                self.policy.verify.observe(off, t_draft - t)
+            if not prefills:  # a pure decode step: its costs by token count; the MTP's outside its dispatches
+                self.policy.verify.observe(off, t_host - t)
+                self.policy.verify_host.observe(off, t_draft - t_host)
                 if self.modelled:
                     self.policy.observe_draft_extra(self.timed["draft"] - self.modelled)
             self.policy.backlog_rows = sum(len(self.backlog[r.slot][2]) for r, *_ in prefills + decodes
@@ -244,6 +214,13 @@ class Runner:
             if drafts is None and req.wants_prompt_logprobs:
                 results[req.slot].prompt_logprobs = self.prompt_lp.pop(req.slot, None) or head(req)
         return results
+
+    def _clock(self) -> float:
+        """Now, for auto K's split of a dispatch from the host work after it: off the CPU the
+        device finishes first (without auto K nothing waits here)."""
+        if self.policy is not None and self.device.type != "cpu":
+            torch.accelerator.synchronize(self.device)
+        return time.perf_counter()
 
     def _forward(self, batch: Batch, logit_idx: torch.Tensor | None, decode: bool):
         """The main model's dispatch: a captured bucket for a decode step under --compile, else eager."""
@@ -273,6 +250,7 @@ class Runner:
         step's tokens, with the drafts before it counted as output (`drafting.propose`)."""
         t = time.perf_counter()
         z, logits = self._mtp_forward(batch, hid, head_idx)
+        t_host = self._clock()
         if any(r.grammar is not None for r in heads):  # structured outputs: drafts the grammar allows
             logits = draft_masks(logits, heads, drafts)
         outs = [[] if r.params.greedy and not r.params.penalized else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
@@ -280,8 +258,9 @@ class Runner:
         pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]
         top, qs = propose(logits, heads, outs, pos)
         if timed and self.policy is not None:
-            self.policy.draft.observe(len(batch.input_ids), dt := time.perf_counter() - t)
-            self.modelled += dt
+            self.policy.draft.observe(len(batch.input_ids), t_host - t)
+            self.policy.draft_host.observe(len(heads), dt := time.perf_counter() - t_host)
+            self.modelled += t_host - t + dt
         return z, top, qs
 
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:

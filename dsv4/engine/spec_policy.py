@@ -5,19 +5,22 @@ batch of B decoding requests drafting K tokens each, with per-depth acceptance
 probabilities a_1..a_K (a_i: draft i is accepted given drafts 1..i-1 were),
 
     tokens per step   E_K = B * (1 + a_1 + a_1 a_2 + ... + a_1 ... a_K)
-    cost per step     C_K = verify(B * (1 + K)) + draft(B, K) + overhead
+    cost per step     C_K = verify(B * (1 + K)) + verify_host(B * (1 + K)) + draft(B, K) + overhead
     throughput        E_K / C_K
 
 `verify(T)` is the measured cost of a main-model dispatch of T decode tokens,
-`draft(B, K)` that of the MTP dispatches (one over about B * E_K / B accepted rows, then
-K - 1 over B rows, plus `draft_extra`, the MTP's bookkeeping around them), `overhead`
-the rest of an engine step. Each cost table is a level times a shape (`CostTable`): the
-startup calibration gives the shape (how the cost grows with the count;
-`Runner.calibrate` times distinct tokens after a full window of context, as serving sees
-them), every timed dispatch moves the level, whatever its count, and timings of two
-counts close together (a K switch, a probe) correct the shape. So every K is compared at
-today's level: per-count averages left the K not in use at stale, calibrated costs, and
-auto flapped to them. Acceptance follows the verified drafts.
+`verify_host(T)` that of choosing tokens from its T rows (processing, sampling,
+verification), `draft(B, K)` that of the MTP: one dispatch over about B * E_K / B accepted
+rows, then K - 1 over B rows, each followed by `draft_host(B)` (proposing a draft per
+row), plus `draft_extra`, its bookkeeping around them; `overhead` is the rest of an engine
+step. The host parts are tables of their own because they grow with the rows in their own
+way and with the requests' sampling parameters, which the dispatches do not see. Each cost
+table is a level times a shape (`CostTable`): the startup calibration (`calibration.py`)
+gives the shape (how the cost grows with the count), every timed step moves the level,
+whatever its count, and timings of two counts close together (a K switch, a probe)
+correct the shape. So every K is compared at today's level: per-count averages left the K
+not in use at stale, calibrated costs, and auto flapped to them. Acceptance follows the
+verified drafts.
 `choose(B)` returns the K with the highest throughput, keeping the current K unless
 another is better by `hysteresis`, so noise does not make it flap.
 
@@ -25,10 +28,12 @@ Restarting drafts after steps at K = 0 first runs the MTP over the pairs it skip
 runner's backlog, `backlog_rows`, at most a window per request): that catch-up is counted
 as a cost spread over `horizon` steps of the new K, so short gains do not pay for it.
 
-After `probe_interval` steps at one K (`first_probe` the first time, so that a fresh
-engine learns early) the policy drafts with K - 1 or K + 1, in turn, for `probe_steps`
-steps (under 2% of steps): at K = 0 nothing else measures acceptance, and at any K the
-probe's timings next to the usual ones correct the cost shape (above). The acceptance prior
+After `probe_interval` steps at one K (`first_probe` the first time) the policy drafts
+with K - 1 or K + 1, in turn, for `probe_steps` steps (under 2% of steps): at K = 0
+nothing else measures acceptance, and at any K the probe's timings next to the usual ones
+correct the cost shape (above). The first probe waits 64 steps: with the calibration
+timing what serving runs (a window of context, the host work apart), a probe at step 16
+only cost a 64-token request 2-4% (4 steps at the worse K, then the MTP's catch-up). The acceptance prior
 weighs as `prior_weight` verified drafts per depth, few enough that one request's drafts
 outweigh it.
 
@@ -40,7 +45,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-ACCEPTANCE_PRIOR = (0.6, 0.5, 0.45)  # the embedded model's card; any prior is refined by data
+# per-depth acceptance of the embedded model's MTP at K = 3 on held-out text (greedy, temperature 0 with
+# its repetition penalty, default sampling with sampled drafts: 0.59-0.69, 0.53-0.68, 0.64-0.65); any
+# prior is refined by data
+ACCEPTANCE_PRIOR = (0.63, 0.59, 0.64)
 
 
 class CostTable:
@@ -98,17 +106,24 @@ def _interp(points: dict[int, float], n: float) -> float:
     return max(0.0, y0 + (y1 - y0) * (n - x0) / (x1 - x0))
 
 
+def _moved(average: float, seconds: float, alpha: float = 0.1) -> float:
+    """A moving average of seconds, one observation on."""
+    return average + alpha * (seconds - average)
+
+
 class SpecPolicy:
     """Chooses K per step from step costs and the running acceptance (see module docstring)."""
 
     def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR, prior_weight: float = 4.0,
                  decay: float = 0.995, hysteresis: float = 0.03, probe_interval: int = 256, probe_steps: int = 4,
-                 first_probe: int = 16, horizon: int = 32):
+                 first_probe: int = 64, horizon: int = 32):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         self.max_k = max_k
-        self.verify = CostTable()  # main-model dispatch + sampling/verification, by decode tokens
+        self.verify = CostTable()  # main-model dispatch, by decode tokens
+        self.verify_host = CostTable()  # choosing the tokens of a decode step's rows (sampling, verification)
         self.draft = CostTable()  # one MTP dispatch, by rows
+        self.draft_host = CostTable()  # proposing one draft per row after an MTP dispatch
         self.overhead = 0.0  # the rest of an engine step (scheduling, detokenizing), seconds
         self.draft_extra = 0.0  # a drafting step's MTP work outside its dispatches (bookkeeping), seconds
         self.backlog_rows = 0  # pairs the MTP skipped at K = 0 and runs before drafting again (the runner's)
@@ -134,10 +149,10 @@ class SpecPolicy:
             self._accepted[i] = self._accepted[i] * self.decay + (1.0 if i < accepted else 0.0)
 
     def observe_overhead(self, seconds: float) -> None:
-        self.overhead += 0.1 * (seconds - self.overhead)
+        self.overhead = _moved(self.overhead, seconds)
 
     def observe_draft_extra(self, seconds: float) -> None:
-        self.draft_extra += 0.1 * (seconds - self.draft_extra)
+        self.draft_extra = _moved(self.draft_extra, seconds)
 
     @property
     def acceptance(self) -> list[float]:
@@ -155,9 +170,10 @@ class SpecPolicy:
 
     def step_cost(self, batch: int, k: int) -> float:
         """Estimated seconds of a decode step of `batch` requests drafting `k` tokens each."""
-        cost = self.verify(batch * (1 + k)) + self.overhead
+        cost = self.verify(batch * (1 + k)) + self.verify_host(batch * (1 + k)) + self.overhead
         if k > 0:
-            cost += self.draft(batch * self.expected_tokens(k)) + (k - 1) * self.draft(batch) + self.draft_extra
+            cost += (self.draft(batch * self.expected_tokens(k)) + (k - 1) * self.draft(batch)
+                     + k * self.draft_host(batch) + self.draft_extra)
         return cost
 
     def throughput(self, batch: int, k: int) -> float:

@@ -278,6 +278,15 @@ class ModelState:
             raise ValueError(f"cannot skip the MTP of slot {slot} back to {length}; use rollback")
         self.mtp_lengths[slot] = length
 
+    def assume(self, slot: int, length: int) -> None:
+        """Timing only (auto K's calibration): let `slot` hold `length` positions, in the main
+        model and the MTP, whatever its rows contain, so that a dispatch after them costs what
+        it costs at that context without computing one. Its outputs are garbage."""
+        if length + 1 > len(self.blocks[slot]) * self.block_size:
+            raise ValueError(f"slot {slot}: {length} positions need more than its {len(self.blocks[slot])} blocks")
+        self.lengths[slot] = length
+        self.mtp_lengths[slot] = length
+
     def free(self, slot: int) -> None:
         """Release a slot: its contents become garbage that the next owner overwrites."""
         self.lengths[slot] = 0

@@ -95,3 +95,42 @@ def test_drafts_after_catch_up_equal_an_mtp_that_never_stopped(tiny_checkpoint):
         # promise (1e-5, tests/model/conftest.py TOL); 1e-6 held on AVX-512 kernels only
         # (AVX2: 1.4e-6 on one entry of 352)
         torch.testing.assert_close(state.snapshot(0)["mtp.win"], win, rtol=1e-5, atol=TOL)
+
+
+def test_calibration_times_every_part_and_leaves_no_trace(tiny_checkpoint):
+    """The calibration fills the dispatch tables at every K of one request and at the batch
+    ends, and the host tables (choosing tokens, proposing drafts) with sampling parameters;
+    it leaves every slot empty, its blocks as they were, and the global RNG where it was (an
+    unseeded request's draws do not depend on whether auto K calibrated)."""
+    from dsv4.engine.calibration import calibrate
+
+    llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", max_num_seqs=4, max_model_len=256)
+    runner, pol = llm.engine.runner, llm.engine.policy
+    K, S = runner.num_spec, runner.max_num_seqs
+    blocks = [list(b) for b in runner.state.blocks]
+    rng = torch.get_rng_state()
+    calibrate(runner, SamplingParams(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.1))
+    assert torch.equal(torch.get_rng_state(), rng)
+    counts = set(range(1, K + 2)) | {S, S * (K + 1)}
+    assert set(pol.verify.shape) == set(pol.draft.shape) == set(pol.verify_host.shape) == counts
+    assert set(pol.draft_host.shape) == {1, S}
+    assert all(v > 0 for t in (pol.verify, pol.draft, pol.verify_host, pol.draft_host) for v in t.shape.values())
+    assert runner.state.lengths == [0] * len(runner.state.lengths)
+    assert runner.state.mtp_lengths == [0] * len(runner.state.mtp_lengths)
+    assert [list(b) for b in runner.state.blocks] == blocks
+    prompts = _prompts([7, 33])
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert [c.token_ids for c in llm.generate(prompts, sp)] == [
+        c.token_ids for c in LLM(tiny_checkpoint, num_speculative_tokens=0, max_model_len=256).generate(prompts, sp)]
+
+
+def test_assume_refuses_positions_without_blocks(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", max_num_seqs=2, max_model_len=256)
+    state = llm.engine.runner.state
+    state.assign(0, [0])
+    state.assume(0, state.block_size - 1)
+    assert state.lengths[0] == state.mtp_lengths[0] == state.block_size - 1
+    with pytest.raises(ValueError, match="blocks"):
+        state.assume(0, state.block_size)
+    state.free(0)
+    state.assign(0, [])

@@ -199,3 +199,16 @@ def test_no_mtp_or_no_costs():
     assert p.choose(4) == p.k == 1  # nothing timed yet: the prior K
     with pytest.raises(ValueError):
         SpecPolicy(-1)
+
+
+def test_host_work_per_row_counts_against_drafting():
+    # dispatches alone: K = 1 pays 8% (6 ms a token, +35% for a second; acceptance 0.6);
+    # choosing each row's token costs 0.5 ms and proposing a draft 0.8 ms (sampled requests)
+    verify, draft = (lambda n: 6 * MS * (1 + 0.35 * (n - 1))), (lambda n: 1.0 * MS)
+    p = _policy(verify, draft, (0.6,), max_k=1)
+    assert p.throughput(1, 1) > 1.05 * p.throughput(1, 0) and p.choose(1) == 1
+    for n in range(1, 65):
+        p.verify_host.observe(n, 0.5 * MS * n)
+    p.draft_host.observe(1, 0.8 * MS)
+    assert p.step_cost(1, 1) == pytest.approx(verify(2) + 1.0 * MS + 1.0 * MS + 0.8 * MS)
+    assert p.throughput(1, 0) > 1.03 * p.throughput(1, 1) and p.choose(1) == 0

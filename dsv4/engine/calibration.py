@@ -1,0 +1,121 @@
+"""Auto K's startup calibration: the shapes of the `SpecPolicy`'s cost tables.
+
+`calibrate(runner, params)` times, before any request, what a decode step of B requests
+drafting K tokens each costs, by part (one request at every K, and max_num_seqs requests at
+K = 0 and the largest K):
+
+* `verify`: the main model's dispatch of B * (1 + K) decode tokens; `draft`: one MTP
+  dispatch over its rows. Tokens differ (identical ones route to the same experts: each
+  verified token looked half as dear) and follow a context: a window of positions each slot
+  is told it holds (`ModelState.assume`: garbage rows, nothing computed), so that every
+  verified token pays its attention over a full window as in serving. Computing such a
+  context instead ran shapes serving had not asked for yet (a prefill): under bfloat16 each
+  new matmul shape keeps ~1 MiB in oneDNN's kernel cache, more than a tight RLIMIT_DATA left
+  for the daemon's threads.
+* `verify_host`: choosing the step's tokens from B * (1 + K) rows of logits
+  (`verify.sample_verify`: processing, sampling, verification); `draft_host`: proposing one
+  draft for each of B rows (`drafting.propose`). Host work, which grows with the rows as
+  the dispatches do not: under the embedded model's default sampling it is 0.9 ms of a
+  6.9 ms step at K = 0 and as much again per sampled draft, so leaving it out of the
+  shapes made K = 1 look 10% faster than K = 0 where serving found it 2% slower. Timed with
+  `params`, the engine's default sampling parameters, on random logits.
+
+Serving moves each table's level to what the requests in flight cost (`CostTable`); the
+calibration only fixes how the costs grow with the token and row counts. The slots are freed
+again and the global RNG left as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..model.state import Batch
+from .drafting import propose
+from .params import SamplingParams
+from .request import Request
+from .verify import sample_verify
+
+if TYPE_CHECKING:
+    from .runner import Runner
+
+
+def _best(fn, repeats: int) -> float:
+    """The best of `repeats` timings of fn() after one warm-up run."""
+    best = float("inf")
+    for rep in range(repeats + 1):
+        t = time.perf_counter()
+        fn()
+        if rep:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
+@torch.inference_mode()
+def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: int = 4) -> None:
+    """Fill the shapes of `runner.policy`'s cost tables (module docstring): each dispatch
+    the mean of `repeats` runs after a warm-up, at contexts that cover the compression's
+    phases; each host part the best of `repeats`. `params` None: the dispatches only (the
+    ranks of tensor parallelism, which do not sample)."""
+    pol, state, S, K, cfg = runner.policy, runner.state, runner.max_num_seqs, runner.num_spec, runner.model.cfg
+    gen = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
+    shapes = sorted({(1, n) for n in range(1, K + 2)} | {(S, 1), (S, K + 1)})  # every K at batch 1
+    held = [list(state.blocks[s]) for s in range(S)]  # managed: none; calibration borrows one each
+    for s in range(S):
+        state.assign(s, held[s] or [s % state.num_blocks])
+    # contexts ctx - 3 .. ctx, one per timed run: every phase of the CSA layers' compression
+    # (a 1-token step compresses at one position in 4), so the average is serving's
+    ctx = max(4, min(state.block_size, state.max_len) - K - 2)
+    dev = runner.device
+    for b, n in shapes:
+        last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
+        times: dict[str, list[float]] = {"verify": [], "draft": [], "alone": []}
+        # 1-token steps are K = 0's, where no MTP dispatch runs between two steps (whose weights
+        # would push the main model's out of the caches: 10% dearer on the embedded model)
+        for mtp in (True, False) if n == 1 and runner.model.has_mtp else (runner.model.has_mtp,):
+            for rep in range(repeats + 1):  # the first run of a shape warms up
+                at = ctx - rep % 4
+                rows = [(s, at, ids(n)) for s in range(b)]
+                for s in range(b):
+                    state.assume(s, at)
+                t = time.perf_counter()
+                hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
+                logits.argmax(dim=-1).tolist()
+                t_draft = time.perf_counter()
+                if mtp:
+                    _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
+                    lg.argmax(dim=-1).tolist()
+                if rep:
+                    times["verify" if mtp else "alone"].append(t_draft - t)
+                    if mtp:
+                        times["draft"].append(time.perf_counter() - t_draft)
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        pol.verify.calibrate(b * n, mean(times["alone"] or times["verify"]))
+        if runner.model.has_mtp:
+            pol.draft.calibrate(b * n, mean(times["draft"]))
+    for s in range(S):
+        state.free(s)
+        state.assign(s, held[s])
+    if params is not None:
+        with torch.random.fork_rng(devices=[]):
+            _calibrate_host(runner, params, shapes, ids, ctx, repeats)
+
+
+def _calibrate_host(runner: "Runner", params: SamplingParams, shapes, ids, ctx: int, repeats: int) -> None:
+    """`verify_host` and `draft_host` from `params` on random logits (see the module docstring)."""
+    pol, V, dev = runner.policy, runner.model.cfg.vocab_size, runner.device
+    for b, n in shapes:
+        reqs = []
+        for s in range(b):
+            r = Request(("calibration", s), ids(ctx), params)
+            r.output_ids, r.slot, r.num_computed_tokens = ids(16), s, ctx + 15
+            reqs.append(r)
+        samples = [(r, i * n, n, ids(n - 1)) for i, r in enumerate(reqs)]
+        logits = 4 * torch.randn(b * n, V, generator=torch.Generator().manual_seed(1)).to(dev)
+        pol.verify_host.calibrate(b * n, _best(lambda: sample_verify(samples, logits, {}), repeats))
+        outs = [r.output_ids for r in reqs]
+        pos = [ctx + 16] * b
+        pol.draft_host.calibrate(b, _best(lambda: propose(logits[:b], reqs, outs, pos), repeats))
