@@ -31,6 +31,7 @@ from .runner import Runner
 from .verify import StepResult
 from .sampling import SamplingParams
 from .scheduler import Scheduler
+from .calibration import calibrate
 from .spec_policy import SpecPolicy
 from .stop import StopChecker
 from .grammar import Grammars
@@ -141,7 +142,7 @@ class Engine:
         self.calibration_s = 0.0
         if self.policy is not None:
             t = time.perf_counter()
-            self.runner.calibrate(self.default_params)
+            calibrate(self.runner, self.default_params)
             self.calibration_s = time.perf_counter() - t
         self.metrics = EngineMetrics()
         self.profiler = _profiler(config)

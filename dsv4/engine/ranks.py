@@ -107,6 +107,7 @@ def _leave() -> None:
 def _follow_rank(rank: int, config: Any, dev: str) -> None:
     """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
     from ..model.loader import load_model
+    from .calibration import calibrate
     from .runner import Runner
     from .spec_policy import SpecPolicy
 
@@ -124,7 +125,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
 
         start_compiled(runner, config)
     if policy is not None:
-        runner.calibrate()
+        calibrate(runner)  # the dispatches only: rank 0 samples
     plan.follow(runner)
 
 

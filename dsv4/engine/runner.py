@@ -59,8 +59,6 @@ from .kvcache import KVPlan, SavedRings
 from .plan import broadcast, plan_message
 from .request import Request
 from .logprobs import TokenLogprob
-from .calibration import calibrate
-from .params import SamplingParams
 from .spec_policy import SpecPolicy
 from .verify import StepResult, prompt_logprobs, sample_verify
 
@@ -117,11 +115,6 @@ class Runner:
         self.draft_q.pop(slot, None)
         self.backlog.pop(slot, None)
         self.prompt_lp.pop(slot, None)
-
-    def calibrate(self, params: SamplingParams | None = None) -> None:
-        """Auto K: the shapes of the policy's cost tables, before any request (`calibration.py`;
-        `params`: the engine's default sampling, for the host work of choosing tokens)."""
-        calibrate(self, params)
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
