@@ -299,3 +299,78 @@ def test_penalties_off_change_nothing_and_rows_are_independent():
 def test_penalty_ranges(name, value):
     with pytest.raises(RequestError, match=name):
         SamplingParams(**{name: value}).validate()
+
+
+def _reference_probs(x: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The processing written plainly on one row [V]: sort the whole row, then top-k, top-p, min-p."""
+    x = x.float() / temperature
+    v = x.shape[-1]
+    s, order = x.sort(descending=True)
+    k = v if top_k <= 0 or top_k > v else top_k
+    s[k:] = float("-inf")
+    p = s.softmax(-1)
+    before = p.cumsum(-1) - p
+    if top_p < 1:
+        drop = before > top_p
+        drop[0] = False
+        s[drop] = float("-inf")
+    if min_p > 0:
+        s[s < s[0] + math.log(min_p)] = float("-inf")
+    return torch.zeros(v).scatter_(-1, order, s.softmax(-1))
+
+
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])  # flat rows (nucleus beyond the candidates) to peaked ones
+def test_candidate_path_equals_sorting_the_whole_row(scale: float) -> None:
+    """`logits_to_probs` looks at each row's top CANDIDATES tokens first and sorts the whole
+    row only when its kept set may reach beyond them: the same distribution either way."""
+    from dsv4.engine.sampling import CANDIDATES
+
+    V = 3 * CANDIDATES + 17
+    g = torch.Generator().manual_seed(int(scale * 10))
+    grid = [(t, k, p, m) for t in (0.5, 1.0) for k in (0, 7, CANDIDATES, CANDIDATES + 1, V)
+            for p in (1.0, 0.5, 0.95) for m in (0.0, 0.05)]
+    logits = torch.randn(len(grid), V, generator=g) * scale
+    col = lambda i, dt=torch.float32: torch.tensor([row[i] for row in grid], dtype=dt)  # noqa: E731
+    probs = logits_to_probs(logits, col(0), col(1, torch.long), col(2), col(3))
+    for i, (t, k, p, m) in enumerate(grid):
+        ref = _reference_probs(logits[i], t, k, p, m)
+        assert torch.equal(probs[i] > 0, ref > 0), (t, k, p, m)
+        torch.testing.assert_close(probs[i], ref, rtol=1e-5, atol=1e-7)
+
+
+def test_a_rows_probabilities_do_not_depend_on_its_neighbours() -> None:
+    """Rows that take the candidate path and rows that sort the whole vocabulary, batched
+    together or alone: bit-identical (seeded draws read these probabilities)."""
+    from dsv4.engine.sampling import CANDIDATES
+
+    V = 2 * CANDIDATES + 5
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(9)) * torch.tensor([[8.0], [0.2], [8.0], [0.2]])
+    t, k = torch.tensor([0.8, 1.0, 1.0, 0.7]), torch.tensor([0, 0, 40, 0])
+    tp, mp = torch.tensor([0.9, 0.99, 1.0, 1.0]), torch.zeros(4)
+    batched = logits_to_probs(logits, t, k, tp, mp)
+    for i in range(4):
+        alone = logits_to_probs(logits[i:i + 1], t[i:i + 1], k[i:i + 1], tp[i:i + 1], mp[i:i + 1])[0]
+        assert torch.equal(batched[i], alone), i
+
+
+def test_a_vocabulary_smaller_than_the_candidates() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    t, k, tp, mp = torch.ones(3), torch.tensor([0, 5, 0]), torch.tensor([1.0, 1.0, 0.9]), torch.zeros(3)
+    probs = logits_to_probs(logits, t, k, tp, mp)
+    for i in range(3):
+        ref = _reference_probs(logits[i], 1.0, int(k[i]), float(tp[i]), 0.0)
+        torch.testing.assert_close(probs[i], ref, rtol=1e-5, atol=1e-7)
+    assert bool((probs[0] > 0).all())  # nothing removed
+
+
+def test_rows_without_top_k_or_top_p_need_no_order() -> None:
+    """Temperature and min-p only (the OpenAI API's defaults): nothing sorted, the same
+    distribution as the plain processing."""
+    logits = torch.randn(2, 700, generator=torch.Generator().manual_seed(5)) * 4
+    t, mp = torch.tensor([0.7, 1.3]), torch.tensor([0.0, 0.02])
+    probs = logits_to_probs(logits, t, torch.zeros(2, dtype=torch.long), torch.ones(2), mp)
+    for i in range(2):
+        ref = _reference_probs(logits[i], float(t[i]), 0, 1.0, float(mp[i]))
+        assert torch.equal(probs[i] > 0, ref > 0)
+        torch.testing.assert_close(probs[i], ref, rtol=1e-5, atol=1e-7)
+    assert bool((probs[0] > 0).all()) and not bool((probs[1] > 0).all())
