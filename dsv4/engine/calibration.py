@@ -59,54 +59,69 @@ def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: i
     the mean of `repeats` runs after a warm-up, at contexts that cover the compression's
     phases; each host part the best of `repeats`. `params` None: the dispatches only (the
     ranks of tensor parallelism, which do not sample)."""
-    pol, state, S, K, cfg = runner.policy, runner.state, runner.max_num_seqs, runner.num_spec, runner.model.cfg
+    state, S, K, cfg = runner.state, runner.max_num_seqs, runner.num_spec, runner.model.cfg
     gen = torch.Generator().manual_seed(0)
     ids = lambda n: torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist()  # noqa: E731
     shapes = sorted({(1, n) for n in range(1, K + 2)} | {(S, 1), (S, K + 1)})  # every K at batch 1
-    held = [list(state.blocks[s]) for s in range(S)]  # managed: none; calibration borrows one each
-    for s in range(S):
-        state.assign(s, held[s] or [s % state.num_blocks])
-    # contexts ctx - 3 .. ctx, one per timed run: every phase of the CSA layers' compression
-    # (a 1-token step compresses at one position in 4), so the average is serving's
-    ctx = max(4, min(state.block_size, state.max_len) - K - 2)
-    dev = runner.device
+    # at one count, the one-request shape (the same drafts per request) speaks for both
+    counts: dict[int, tuple[int, int]] = {}
     for b, n in shapes:
-        last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
-        times: dict[str, list[float]] = {"verify": [], "draft": [], "alone": []}
-        # 1-token steps are K = 0's, where no MTP dispatch runs between two steps (whose weights
-        # would push the main model's out of the caches: 10% dearer on the embedded model)
-        for mtp in (True, False) if n == 1 and runner.model.has_mtp else (runner.model.has_mtp,):
-            for rep in range(repeats + 1):  # the first run of a shape warms up
-                at = ctx - rep % 4
-                rows = [(s, at, ids(n)) for s in range(b)]
-                for s in range(b):
-                    state.assume(s, at)
-                t = time.perf_counter()
-                hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
-                logits.argmax(dim=-1).tolist()
-                t_draft = time.perf_counter()
-                if mtp:
-                    _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
-                    lg.argmax(dim=-1).tolist()
-                if rep:
-                    times["verify" if mtp else "alone"].append(t_draft - t)
-                    if mtp:
-                        times["draft"].append(time.perf_counter() - t_draft)
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-        pol.verify.calibrate(b * n, mean(times["alone"] or times["verify"]))
-        if runner.model.has_mtp:
-            pol.draft.calibrate(b * n, mean(times["draft"]))
-    for s in range(S):
-        state.free(s)
-        state.assign(s, held[s])
+        counts.setdefault(b * n, (b, n))
+    held = [list(state.blocks[s]) for s in range(S)]  # managed: none; calibration borrows one each
+    try:
+        for s in range(S):
+            state.assign(s, held[s] or [s % state.num_blocks])
+        # contexts ctx - 3 .. ctx, one per timed run: every phase of the CSA layers' compression
+        # (a 1-token step compresses at one position in 4), so the average is serving's; the
+        # last position written stays inside the borrowed block and max_len
+        ctx = max(0, min(state.block_size, state.max_len) - K - 2)
+        for b, n in counts.values():
+            _time_dispatches(runner, b, n, ctx, ids, repeats)
+    finally:
+        for s in range(S):
+            state.free(s)
+            state.assign(s, held[s])
     if params is not None:
-        with torch.random.fork_rng(devices=[]):
-            _calibrate_host(runner, params, shapes, ids, ctx, repeats)
+        dev = runner.device
+        with torch.random.fork_rng(devices=[dev] if dev.type != "cpu" else [], device_type=dev.type):
+            _calibrate_host(runner, params, list(counts.values()), ids, ctx, repeats)
+
+
+def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: int) -> None:
+    """`verify` and `draft` at b requests of n tokens (see `calibrate`)."""
+    pol, state, dev = runner.policy, runner.state, runner.device
+    last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
+    times: dict[str, list[float]] = {"verify": [], "draft": [], "alone": []}
+    # 1-token steps are K = 0's, where no MTP dispatch runs between two steps (whose weights
+    # would push the main model's out of the caches: 10% dearer on the embedded model)
+    for mtp in (True, False) if n == 1 and runner.model.has_mtp else (runner.model.has_mtp,):
+        for rep in range(repeats + 1):  # the first run of a shape warms up
+            at = max(0, ctx - rep % 4)
+            rows = [(s, at, ids(n)) for s in range(b)]
+            for s in range(b):
+                state.assume(s, at)
+            t = time.perf_counter()
+            hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
+            logits.argmax(dim=-1).tolist()
+            t_draft = time.perf_counter()
+            if mtp:
+                _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
+                lg.argmax(dim=-1).tolist()
+            if rep:
+                times["verify" if mtp else "alone"].append(t_draft - t)
+                if mtp:
+                    times["draft"].append(time.perf_counter() - t_draft)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    pol.verify.calibrate(b * n, mean(times["alone"] or times["verify"]))
+    if runner.model.has_mtp:
+        pol.draft.calibrate(b * n, mean(times["draft"]))
 
 
 def _calibrate_host(runner: "Runner", params: SamplingParams, shapes, ids, ctx: int, repeats: int) -> None:
-    """`verify_host` and `draft_host` from `params` on random logits (see the module docstring)."""
+    """`verify_host` and `draft_host` from `params` on random logits, peaked as a language
+    model's are (a top-p nucleus of a few tokens; see the module docstring)."""
     pol, V, dev = runner.policy, runner.model.cfg.vocab_size, runner.device
+    proposed: set[int] = set()
     for b, n in shapes:
         reqs = []
         for s in range(b):
@@ -114,8 +129,9 @@ def _calibrate_host(runner: "Runner", params: SamplingParams, shapes, ids, ctx: 
             r.output_ids, r.slot, r.num_computed_tokens = ids(16), s, ctx + 15
             reqs.append(r)
         samples = [(r, i * n, n, ids(n - 1)) for i, r in enumerate(reqs)]
-        logits = 4 * torch.randn(b * n, V, generator=torch.Generator().manual_seed(1)).to(dev)
+        logits = 8 * torch.randn(b * n, V, generator=torch.Generator().manual_seed(1)).to(dev)
         pol.verify_host.calibrate(b * n, _best(lambda: sample_verify(samples, logits, {}), repeats))
-        outs = [r.output_ids for r in reqs]
-        pos = [ctx + 16] * b
-        pol.draft_host.calibrate(b, _best(lambda: propose(logits[:b], reqs, outs, pos), repeats))
+        if b not in proposed:  # one draft per request: by requests only
+            proposed.add(b)
+            outs, pos = [r.output_ids for r in reqs], [ctx + 16] * b
+            pol.draft_host.calibrate(b, _best(lambda: propose(logits[:b], reqs, outs, pos), repeats))

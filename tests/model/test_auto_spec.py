@@ -134,3 +134,12 @@ def test_assume_refuses_positions_without_blocks(tiny_checkpoint):
         state.assume(0, state.block_size)
     state.free(0)
     state.assign(0, [])
+
+
+@pytest.mark.parametrize("max_model_len", [2, 3])
+def test_calibration_fits_the_shortest_context(tiny_checkpoint, max_model_len):
+    """A state of a few positions: the calibration's contexts shrink to fit (no position beyond it)."""
+    llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", max_num_seqs=2, max_model_len=max_model_len)
+    assert llm.engine.policy.verify.shape
+    (out,) = llm.generate([[5]], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert len(out.token_ids) == 1
