@@ -51,8 +51,8 @@ def count_choices(llm: LLM, holder: dict | None = None) -> dict:
     pol, holder = llm.engine.policy, {"counter": Counter()} if holder is None else holder
     choose = pol.choose
 
-    def counted(batch: int) -> int:
-        k = choose(batch)
+    def counted(batch: int, sampled: int = 0) -> int:
+        k = choose(batch, sampled)
         holder["counter"][k] += 1
         if holder.get("seq"):
             holder["seq"][-1].append(k)
@@ -127,7 +127,8 @@ def tpot(a: argparse.Namespace) -> None:
         pol = arms["auto"].engine.policy  # the last auto engine of this mode
         print("  its estimates at the end: " + ", ".join(f"K={k} {pol.throughput(1, k):.0f} tok/s"
                                                          for k in range(pol.max_k + 1))
-              + f"; acceptance {', '.join(f'{x:.2f}' for x in pol.acceptance)}", flush=True)
+              + f"; acceptance greedy {', '.join(f'{x:.2f}' for x in pol.acceptance_of(False))}, sampled "
+              f"{', '.join(f'{x:.2f}' for x in pol.acceptance_of(True))}", flush=True)
     pol = arms["auto"].engine.policy
     fmt = lambda d: ", ".join(f"{n}: {1e3 * s:.2f}" for n, s in sorted(d.items())[:6])  # noqa: E731
     print(f"calibrated (first auto engine): verify ms by tokens {fmt(calib['verify'])}; MTP ms by rows "

@@ -283,7 +283,8 @@ class Engine:
         if self.ranks is not None:
             self.ranks.check()
         if self.policy is not None:  # the drafts this step makes, for the requests that will decode
-            self.runner.k_draft = self.policy.choose(sum(1 for r in self.scheduler.running if r.num_spec))
+            spec = [r for r in self.scheduler.running if r.num_spec]
+            self.runner.k_draft = self.policy.choose(len(spec), sum(1 for r in spec if not r.params.greedy))
         try:
             results = self.runner.execute(plan.prefills, plan.decodes, plan.kv)
         except Exception as e:
@@ -306,7 +307,7 @@ class Engine:
         for req, n in plan.decodes:
             res = results[req.slot]
             if self.policy is not None and res.num_drafted:
-                self.policy.observe_verify(res.num_drafted, res.num_accepted)
+                self.policy.observe_verify(res.num_drafted, res.num_accepted, not req.params.greedy)
             toks = self.scheduler.on_decode_done(req, res.tokens)
             if res.num_drafted:  # drafts cut at EOS/limits do not count
                 self._tracks[req.request_id].metrics.on_verify(res.num_drafted, min(res.num_accepted, len(toks) - 1))

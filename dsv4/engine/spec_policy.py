@@ -129,8 +129,11 @@ class SpecPolicy:
         self.backlog_rows = 0  # pairs the MTP skipped at K = 0 and runs before drafting again (the runner's)
         self.horizon = horizon  # steps a K > 0 chosen after K = 0 is expected to last (amortises the catch-up)
         p = [prior[min(i, len(prior) - 1)] for i in range(max_k)]
-        self._tried = [prior_weight] * max_k  # decayed counts per depth
-        self._accepted = [prior_weight * a for a in p]
+        # decayed counts per depth, of greedy drafts (argmax) and of sampled ones (drawn from q):
+        # their acceptance differs, and a request mix of one kind says little about the other
+        self._tried, self._accepted = [prior_weight] * max_k, [prior_weight * a for a in p]
+        self._tried_s, self._accepted_s = list(self._tried), list(self._accepted)
+        self.sampled_share = 0.0  # of the decoding requests, as the last `choose` was told
         self.decay = decay
         self.hysteresis = hysteresis
         self.probe_interval, self.probe_steps = probe_interval, probe_steps
@@ -140,13 +143,15 @@ class SpecPolicy:
         self._probe_left = self._probe_k = self._probes = 0  # probe steps left, at K = _probe_k; probes so far
 
     # ---------------------------------------------------------------- observations
-    def observe_verify(self, drafted: int, accepted: int) -> None:
-        """One request verified `drafted` drafts and accepted the first `accepted`."""
+    def observe_verify(self, drafted: int, accepted: int, sampled: bool = False) -> None:
+        """One request verified `drafted` drafts and accepted the first `accepted` (`sampled`:
+        its drafts were drawn from the MTP's distribution, not its argmax)."""
+        tried, acc = (self._tried_s, self._accepted_s) if sampled else (self._tried, self._accepted)
         for i in range(min(drafted, self.max_k)):
             if i > accepted:  # depth i + 1 was not reached (an earlier draft was rejected)
                 break
-            self._tried[i] = self._tried[i] * self.decay + 1.0
-            self._accepted[i] = self._accepted[i] * self.decay + (1.0 if i < accepted else 0.0)
+            tried[i] = tried[i] * self.decay + 1.0
+            acc[i] = acc[i] * self.decay + (1.0 if i < accepted else 0.0)
 
     def observe_overhead(self, seconds: float) -> None:
         self.overhead = _moved(self.overhead, seconds)
@@ -154,19 +159,29 @@ class SpecPolicy:
     def observe_draft_extra(self, seconds: float) -> None:
         self.draft_extra = _moved(self.draft_extra, seconds)
 
+    def acceptance_of(self, sampled: bool) -> list[float]:
+        """Estimated a_1..a_max_k (conditional acceptance per depth) of greedy or sampled drafts."""
+        tried, acc = (self._tried_s, self._accepted_s) if sampled else (self._tried, self._accepted)
+        return [a / t if t > 0 else 0.0 for a, t in zip(acc, tried)]
+
     @property
     def acceptance(self) -> list[float]:
-        """Estimated a_1..a_max_k (conditional acceptance per depth)."""
-        return [a / t if t > 0 else 0.0 for a, t in zip(self._accepted, self._tried)]
+        """a_1..a_max_k of the current request mix (`sampled_share`), per depth."""
+        g, s, w = self.acceptance_of(False), self.acceptance_of(True), self.sampled_share
+        return [(1 - w) * a + w * b for a, b in zip(g, s)]
 
     # ---------------------------------------------------------------- the choice
     def expected_tokens(self, k: int) -> float:
-        """Tokens one request emits per step with K = k: 1 + a_1 + a_1 a_2 + ..."""
-        e, run = 1.0, 1.0
-        for a in self.acceptance[:k]:
-            run *= a
-            e += run
-        return e
+        """Tokens one request emits per step with K = k, 1 + a_1 + a_1 a_2 + ..., averaged over
+        the request mix (greedy and sampled drafts each with their own acceptance)."""
+        def one(acceptance: list[float]) -> float:
+            e, run = 1.0, 1.0
+            for a in acceptance[:k]:
+                run *= a
+                e += run
+            return e
+        w = self.sampled_share
+        return (1 - w) * one(self.acceptance_of(False)) + (w * one(self.acceptance_of(True)) if w else 0.0)
 
     def step_cost(self, batch: int, k: int) -> float:
         """Estimated seconds of a decode step of `batch` requests drafting `k` tokens each."""
@@ -184,10 +199,12 @@ class SpecPolicy:
             c += self.draft(self.backlog_rows) / self.horizon
         return batch * self.expected_tokens(k) / c if c > 0 else 0.0
 
-    def choose(self, batch: int) -> int:
-        """The K for the next step's drafts, for `batch` decoding requests."""
+    def choose(self, batch: int, sampled: int = 0) -> int:
+        """The K for the next step's drafts, for `batch` decoding requests of which `sampled`
+        draw their drafts."""
         if self.max_k == 0 or batch <= 0 or not self.verify.shape:
             return self.k
+        self.sampled_share = min(max(sampled, 0), batch) / batch
         rates = [self.throughput(batch, k) for k in range(self.max_k + 1)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best != self.k and rates[best] < rates[self.k] * (1 + self.hysteresis):

@@ -25,7 +25,7 @@ def _scripted(llm: LLM, schedule: list[int]) -> list[int]:
     chosen: list[int] = []
     ks = itertools.cycle(schedule)
 
-    def choose(batch: int) -> int:
+    def choose(batch: int, sampled: int = 0) -> int:
         chosen.append(next(ks))
         return chosen[-1]
 

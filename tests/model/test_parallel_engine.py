@@ -40,7 +40,7 @@ def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GE
              prefill_limit=16, quantization=quantization) as llm:
         if schedule is not None:  # auto K: rank 0's policy follows `schedule` (cycled)
             ks = itertools.cycle(schedule)
-            llm.engine.policy.choose = lambda batch: next(ks)
+            llm.engine.policy.choose = lambda batch, sampled=0: next(ks)
         greedy = SamplingParams(max_tokens=gen, ignore_eos=True)
         seeded = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         outs = llm.generate(_prompts() + _prompts()[1:2], [greedy] * 3 + [seeded])

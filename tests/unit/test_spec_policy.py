@@ -212,3 +212,18 @@ def test_host_work_per_row_counts_against_drafting():
     p.draft_host.observe(1, 0.8 * MS)
     assert p.step_cost(1, 1) == pytest.approx(verify(2) + 1.0 * MS + 1.0 * MS + 0.8 * MS)
     assert p.throughput(1, 0) > 1.03 * p.throughput(1, 1) and p.choose(1) == 0
+
+
+def test_greedy_and_sampled_drafts_keep_their_own_acceptance():
+    # sampled drafts are accepted far more often here; greedy requests must not drag the
+    # estimate for sampled ones down (nor the other way round), and a mix averages the two
+    p = _policy(lambda n: 6 * MS * (1 + 0.35 * (n - 1)), lambda n: 1.0 * MS, (0.6,), max_k=1, hysteresis=0.0)
+    p._tried, p._accepted = [4.0], [4 * 0.6]
+    p._tried_s, p._accepted_s = [4.0], [4 * 0.6]
+    for _ in range(400):
+        p.observe_verify(1, 0)  # greedy: always rejected
+        p.observe_verify(1, 1, sampled=True)  # sampled: always accepted
+    assert p.acceptance_of(False)[0] < 0.05 and p.acceptance_of(True)[0] > 0.95
+    assert p.choose(1) == 0 and p.choose(1, sampled=1) == 1
+    assert p.choose(4, sampled=2) is not None and p.acceptance[0] == pytest.approx(0.5, abs=0.05)
+    assert p.expected_tokens(1) == pytest.approx(1.5, abs=0.05)
