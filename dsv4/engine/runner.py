@@ -171,7 +171,7 @@ class Runner:
         logit_idx = torch.tensor(idx + pidx, dtype=torch.long, device=self.device)
         with record_function("dsv4.dispatch"):
             hidden, logits = self._forward(batch, logit_idx, decode=not prefills)
-        t_host = self._clock()
+        t_host = self._clock(wait=not prefills)  # only a pure decode step's split is used
         with record_function("dsv4.sample_verify"):
             # rank 0 samples; under tensor parallelism the other ranks take its choices
             results = broadcast(self._choose(samples, logits, prompt_rows, len(idx))
@@ -208,10 +208,10 @@ class Runner:
                 results[req.slot].prompt_logprobs = self.prompt_lp.pop(req.slot, None) or head(req)
         return results
 
-    def _clock(self) -> float:
+    def _clock(self, wait: bool) -> float:
         """Now, for auto K's split of a dispatch from the host work after it: off the CPU the
-        device finishes first (without auto K nothing waits here)."""
-        if self.policy is not None and self.device.type != "cpu":
+        device finishes first when the split is used (`wait`; without auto K nothing waits)."""
+        if wait and self.policy is not None and self.device.type != "cpu":
             torch.accelerator.synchronize(self.device)
         return time.perf_counter()
 
@@ -243,7 +243,7 @@ class Runner:
         step's tokens, with the drafts before it counted as output (`drafting.propose`)."""
         t = time.perf_counter()
         z, logits = self._mtp_forward(batch, hid, head_idx)
-        t_host = self._clock()
+        t_host = self._clock(wait=timed)
         if any(r.grammar is not None for r in heads):  # structured outputs: drafts the grammar allows
             logits = draft_masks(logits, heads, drafts)
         outs = [[] if r.params.greedy and not r.params.penalized else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])

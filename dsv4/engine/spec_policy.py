@@ -146,7 +146,7 @@ class SpecPolicy:
     def observe_verify(self, drafted: int, accepted: int, sampled: bool = False) -> None:
         """One request verified `drafted` drafts and accepted the first `accepted` (`sampled`:
         its drafts were drawn from the MTP's distribution, not its argmax)."""
-        tried, acc = (self._tried_s, self._accepted_s) if sampled else (self._tried, self._accepted)
+        tried, acc = self._counts(sampled)
         for i in range(min(drafted, self.max_k)):
             if i > accepted:  # depth i + 1 was not reached (an earlier draft was rejected)
                 break
@@ -159,9 +159,13 @@ class SpecPolicy:
     def observe_draft_extra(self, seconds: float) -> None:
         self.draft_extra = _moved(self.draft_extra, seconds)
 
+    def _counts(self, sampled: bool) -> tuple[list[float], list[float]]:
+        """(tried, accepted) per depth of sampled or greedy drafts."""
+        return (self._tried_s, self._accepted_s) if sampled else (self._tried, self._accepted)
+
     def acceptance_of(self, sampled: bool) -> list[float]:
         """Estimated a_1..a_max_k (conditional acceptance per depth) of greedy or sampled drafts."""
-        tried, acc = (self._tried_s, self._accepted_s) if sampled else (self._tried, self._accepted)
+        tried, acc = self._counts(sampled)
         return [a / t if t > 0 else 0.0 for a, t in zip(acc, tried)]
 
     @property
