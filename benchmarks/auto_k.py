@@ -12,12 +12,13 @@ each driving every prompt to 32 greedy tokens (EOS ignored). Reported: the best 
 tok/s of each arm over the rounds, auto / best fixed K, and which K auto chose (share of
 its steps).
 
-`--tpot`: batch 1 instead, the issue's measurement: one 256-token held-out prompt, `--gen`
-new tokens, greedy, temperature 0 over the model's generation_config.json (what `dsv4 run
+`--tpot`: batch 1 instead, the issue's measurement: `--tpot-prompts` 256-token held-out
+prompts one after the other (a round's TPOT is their mean), `--gen` new tokens, greedy, temperature 0 over the model's generation_config.json (what `dsv4 run
 --temperature 0` decodes: greedy with its repetition penalty) and its default sampling;
 arms K = 0, 1, 2 (as far as the MTP depth allows) and auto with the CLI's max_num_seqs 8,
 interleaved in rotating order for `--rounds` rounds (`--fresh`: a new engine for every
-run, as `dsv4 run --local` has). Reported per arm: median time per output token (TPOT),
+run, as `dsv4 run --local` has). Sampled runs are seeded: the same seeds for every arm of
+a round, new ones each round. Reported per arm: median time per output token (TPOT),
 auto / best fixed K, the K auto chose per step, its MTP catch-up dispatches, and its
 calibrated cost estimates against the ones it ends with.
 """
@@ -78,10 +79,18 @@ def instrument(llm: LLM, holder: dict, catch: dict) -> None:
     runner._catch_up = counted
 
 
+def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
+    """`params` with `seed` when they sample (greedy runs need none). Every arm of a round
+    draws from the same seeds and every round from new ones: unseeded, each fresh engine
+    draws the same text (its generator starts from one seed), so one lucky or unlucky
+    sample per arm decided "the best fixed K" in every round."""
+    return params if not params.temperature else SamplingParams(**{**params.__dict__, "seed": seed})
+
+
 def tpot(a: argparse.Namespace) -> None:
     """Batch-1 TPOT of K = 0, 1, 2 and auto (see the module docstring, `--tpot`)."""
     model = dsv4.DEFAULT_MODEL
-    (prompt,) = heldout_prompts(Tokenizer.from_dir(model), a.data, 1, 256)
+    prompts = heldout_prompts(Tokenizer.from_dir(model), a.data, a.tpot_prompts, 256)
     make = lambda arm: LLM(model, num_speculative_tokens=arm, max_model_len=1024)  # noqa: E731
     auto = make("auto")
     depth = auto.engine.config.num_speculative_tokens
@@ -97,7 +106,7 @@ def tpot(a: argparse.Namespace) -> None:
                  SamplingParams(**{**default, "temperature": 0.0, "max_tokens": a.gen, "ignore_eos": True}),
              "default sampling": SamplingParams(**{**default, "max_tokens": a.gen, "ignore_eos": True})}
     for llm in arms.values():  # warm-up
-        drive(llm, [prompt], modes["greedy"], 1)
+        drive(llm, prompts[:1], modes["greedy"], 1)
     res: dict = {}
     for mode, params in modes.items():
         holder["counter"] = Counter()
@@ -106,13 +115,16 @@ def tpot(a: argparse.Namespace) -> None:
         catch.update(n=0, pairs=0, s=0.0)
         for r in range(a.rounds):
             for arm in names[r % len(names):] + names[:r % len(names)]:
-                if a.fresh:  # a new engine per run, as `dsv4 run --local` has (auto calibrates anew)
-                    arms[arm] = make(arm if arm == "auto" else int(arm))
+                tpots = []
+                for i, prompt in enumerate(prompts):
+                    if a.fresh:  # a new engine per run, as `dsv4 run --local` has (auto calibrates anew)
+                        arms[arm] = make(arm if arm == "auto" else int(arm))
+                        if arm == "auto":
+                            instrument(arms[arm], holder, catch)
                     if arm == "auto":
-                        instrument(arms[arm], holder, catch)
-                if arm == "auto":
-                    seqs.append([])
-                res.setdefault((mode, arm), []).append(drive(arms[arm], [prompt], params, 1)["tpot_ms"])
+                        seqs.append([])
+                    tpots.append(drive(arms[arm], [prompt], _seeded(params, 1000 * r + i), 1)["tpot_ms"])
+                res.setdefault((mode, arm), []).append(sum(tpots) / len(tpots))
         print(f"{mode}: " + ", ".join(f"K={arm} " + "/".join(f"{x:.1f}" for x in res[(mode, arm)]) for arm in names)
               + " ms/token", flush=True)
         med = {arm: sorted(res[(mode, arm)])[len(res[(mode, arm)]) // 2] for arm in names}
@@ -154,6 +166,7 @@ def main() -> None:
                          "whenever another tenant holds a core)")
     ap.add_argument("--tpot", action="store_true", help="batch-1 time per token of K = 0, 1, 2 and auto, greedy and "
                     "default sampling (the issue's measurement); --rounds repetitions, --gen tokens")
+    ap.add_argument("--tpot-prompts", type=int, default=1, help="--tpot: held-out prompts a round")
     ap.add_argument("--fresh", action="store_true", help="--tpot: a new engine for every run (as `dsv4 run --local`)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -33,9 +33,13 @@ with K - 1 or K + 1, in turn, for `probe_steps` steps (under 2% of steps): at K 
 nothing else measures acceptance, and at any K the probe's timings next to the usual ones
 correct the cost shape (above). The first probe waits 64 steps: with the calibration
 timing what serving runs (a window of context, the host work apart), a probe at step 16
-only cost a 64-token request 2-4% (4 steps at the worse K, then the MTP's catch-up). The acceptance prior
-weighs as `prior_weight` verified drafts per depth, few enough that one request's drafts
-outweigh it.
+only cost a 64-token request 2-4% (4 steps at the worse K, then the MTP's catch-up).
+
+Greedy and sampled drafts each start from their own measured acceptance (the priors below),
+weighed as `prior_weight` verified drafts per depth: enough that a fresh engine's first
+few rejections (a request's acceptance swings 0.55-0.88 around 0.70 over 64 tokens) do not
+throw it to K = 0, where nothing measures acceptance until a probe; few enough that one
+long request's drafts outweigh it.
 
 Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling
 keeps the sampled distribution for any K.
@@ -45,10 +49,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 
-# per-depth acceptance of the embedded model's MTP at K = 3 on held-out text (greedy, temperature 0 with
-# its repetition penalty, default sampling with sampled drafts: 0.59-0.69, 0.53-0.68, 0.64-0.65); any
-# prior is refined by data
-ACCEPTANCE_PRIOR = (0.63, 0.59, 0.64)
+# conditional acceptance per depth of the embedded model's MTP at K = 3 on held-out text (8 256-token
+# Shakespeare prompts x 2, 64 tokens each, ~400 drafts a depth): greedy (argmax) drafts, and drafts sampled
+# from the MTP's distribution under the model's default sampling, which are accepted more often and
+# more evenly across depths; any prior is refined by data
+ACCEPTANCE_PRIOR = (0.64, 0.54, 0.58)
+SAMPLED_ACCEPTANCE_PRIOR = (0.69, 0.67, 0.69)
 
 
 class CostTable:
@@ -69,13 +75,16 @@ class CostTable:
         self.observed = 0  # observations that moved the level
         self._recent: list[int] = []  # the counts of the last `contrast` observations
         self._contrasts: dict[int, int] = {}  # shape corrections by count
+        self._xs: list[int] = []  # the counts known, sorted (choose() reads the table ~10 times a step)
 
     def calibrate(self, n: int, seconds: float) -> None:
         self.shape[n] = seconds
+        self._xs = sorted(self.shape)
 
     def observe(self, n: int, seconds: float) -> None:
         if n not in self.shape:
             self.shape[n] = seconds / self.level
+            self._xs = sorted(self.shape)
         elif any(m != n for m in self._recent):  # a contrast: the shape (the calibration weighs as one)
             c = self._contrasts[n] = self._contrasts.get(n, 0) + 1
             self.shape[n] += max(self.alpha, 1.0 / (c + 1)) * (seconds / self.level - self.shape[n])
@@ -91,13 +100,13 @@ class CostTable:
 
     def __call__(self, n: float) -> float:
         """Estimated cost at count `n` (0 at n <= 0; extrapolated along the last segment)."""
-        return _interp(self.shape, n) * self.level
+        return _interp(self.shape, self._xs, n) * self.level
 
 
-def _interp(points: dict[int, float], n: float) -> float:
-    if n <= 0 or not points:
+def _interp(points: dict[int, float], xs: list[int], n: float) -> float:
+    """`points` at `n`, linear between its counts `xs` (sorted)."""
+    if n <= 0 or not xs:
         return 0.0
-    xs = sorted(points)
     if len(xs) == 1:
         return points[xs[0]] * n / xs[0]
     i = min(max(bisect_left(xs, n), 1), len(xs) - 1)
@@ -114,7 +123,8 @@ def _moved(average: float, seconds: float, alpha: float = 0.1) -> float:
 class SpecPolicy:
     """Chooses K per step from step costs and the running acceptance (see module docstring)."""
 
-    def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR, prior_weight: float = 4.0,
+    def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR,
+                 sampled_prior: tuple[float, ...] = SAMPLED_ACCEPTANCE_PRIOR, prior_weight: float = 16.0,
                  decay: float = 0.995, hysteresis: float = 0.03, probe_interval: int = 256, probe_steps: int = 4,
                  first_probe: int = 64, horizon: int = 32):
         if max_k < 0:
@@ -128,11 +138,11 @@ class SpecPolicy:
         self.draft_extra = 0.0  # a drafting step's MTP work outside its dispatches (bookkeeping), seconds
         self.backlog_rows = 0  # pairs the MTP skipped at K = 0 and runs before drafting again (the runner's)
         self.horizon = horizon  # steps a K > 0 chosen after K = 0 is expected to last (amortises the catch-up)
-        p = [prior[min(i, len(prior) - 1)] for i in range(max_k)]
+        per_depth = lambda pr: [pr[min(i, len(pr) - 1)] for i in range(max_k)]  # noqa: E731
         # decayed counts per depth, of greedy drafts (argmax) and of sampled ones (drawn from q):
         # their acceptance differs, and a request mix of one kind says little about the other
-        self._tried, self._accepted = [prior_weight] * max_k, [prior_weight * a for a in p]
-        self._tried_s, self._accepted_s = list(self._tried), list(self._accepted)
+        self._tried, self._accepted = [prior_weight] * max_k, [prior_weight * a for a in per_depth(prior)]
+        self._tried_s, self._accepted_s = [prior_weight] * max_k, [prior_weight * a for a in per_depth(sampled_prior)]
         self.sampled_share = 0.0  # of the decoding requests, as the last `choose` was told
         self.decay = decay
         self.hysteresis = hysteresis
@@ -175,33 +185,43 @@ class SpecPolicy:
         return [(1 - w) * a + w * b for a, b in zip(g, s)]
 
     # ---------------------------------------------------------------- the choice
-    def expected_tokens(self, k: int) -> float:
-        """Tokens one request emits per step with K = k, 1 + a_1 + a_1 a_2 + ..., averaged over
-        the request mix (greedy and sampled drafts each with their own acceptance)."""
-        def one(acceptance: list[float]) -> float:
-            e, run = 1.0, 1.0
-            for a in acceptance[:k]:
+    def expected_tokens_all(self) -> list[float]:
+        """Tokens one request emits per step with K = 0..max_k, 1 + a_1 + a_1 a_2 + ...,
+        averaged over the request mix (greedy and sampled drafts each with their own acceptance)."""
+        def one(acceptance: list[float]) -> list[float]:
+            out, run = [1.0], 1.0
+            for a in acceptance:
                 run *= a
-                e += run
-            return e
+                out.append(out[-1] + run)
+            return out
         w = self.sampled_share
-        return (1 - w) * one(self.acceptance_of(False)) + (w * one(self.acceptance_of(True)) if w else 0.0)
+        g = one(self.acceptance_of(False))
+        if not w:
+            return g
+        return [(1 - w) * x + w * y for x, y in zip(g, one(self.acceptance_of(True)))]
 
-    def step_cost(self, batch: int, k: int) -> float:
-        """Estimated seconds of a decode step of `batch` requests drafting `k` tokens each."""
+    def expected_tokens(self, k: int) -> float:
+        """Tokens one request emits per step with K = k (`expected_tokens_all`)."""
+        return self.expected_tokens_all()[k]
+
+    def step_cost(self, batch: int, k: int, expected: float | None = None) -> float:
+        """Estimated seconds of a decode step of `batch` requests drafting `k` tokens each
+        (`expected`: `expected_tokens(k)`, when the caller has it)."""
         cost = self.verify(batch * (1 + k)) + self.verify_host(batch * (1 + k)) + self.overhead
         if k > 0:
-            cost += (self.draft(batch * self.expected_tokens(k)) + (k - 1) * self.draft(batch)
+            e = self.expected_tokens(k) if expected is None else expected
+            cost += (self.draft(batch * e) + (k - 1) * self.draft(batch)
                      + k * self.draft_host(batch) + self.draft_extra)
         return cost
 
-    def throughput(self, batch: int, k: int) -> float:
+    def throughput(self, batch: int, k: int, expected: float | None = None) -> float:
         """Estimated tokens per second at `batch` requests and K = k (a K > 0 after K = 0 pays
         the MTP's catch-up over `backlog_rows`, spread over `horizon` steps)."""
-        c = self.step_cost(batch, k)
+        e = self.expected_tokens(k) if expected is None else expected
+        c = self.step_cost(batch, k, e)
         if k > 0 and self.backlog_rows > 0:
             c += self.draft(self.backlog_rows) / self.horizon
-        return batch * self.expected_tokens(k) / c if c > 0 else 0.0
+        return batch * e / c if c > 0 else 0.0
 
     def choose(self, batch: int, sampled: int = 0) -> int:
         """The K for the next step's drafts, for `batch` decoding requests of which `sampled`
@@ -209,7 +229,7 @@ class SpecPolicy:
         if self.max_k == 0 or batch <= 0 or not self.verify.shape:
             return self.k
         self.sampled_share = min(max(sampled, 0), batch) / batch
-        rates = [self.throughput(batch, k) for k in range(self.max_k + 1)]
+        rates = [self.throughput(batch, k, e) for k, e in enumerate(self.expected_tokens_all())]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best != self.k and rates[best] < rates[self.k] * (1 + self.hysteresis):
             best = self.k  # not better by enough: keep the current K

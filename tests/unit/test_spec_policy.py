@@ -227,3 +227,23 @@ def test_greedy_and_sampled_drafts_keep_their_own_acceptance():
     assert p.choose(1) == 0 and p.choose(1, sampled=1) == 1
     assert p.choose(4, sampled=2) is not None and p.acceptance[0] == pytest.approx(0.5, abs=0.05)
     assert p.expected_tokens(1) == pytest.approx(1.5, abs=0.05)
+
+
+def test_a_few_early_rejections_do_not_end_drafting_but_a_request_s_worth_does():
+    # K = 1 pays 11% at the sampled prior's 0.69. A fresh engine's first eight sampled drafts
+    # accept two (a request's acceptance swings 0.55-0.88 over 64 tokens): with the prior
+    # weighed as 16 drafts it keeps drafting; at 4 it fell to 0.40 and stopped for good
+    # (at K = 0 nothing measures acceptance until a probe). Forty drafts at 0.3 outweigh it.
+    p = SpecPolicy(1, probe_interval=10**9, first_probe=10**9)
+    for n in (1, 2, 4):
+        p.verify.calibrate(n, 6 * MS * (1 + 0.35 * (n - 1)))
+        p.draft.calibrate(n, 1.0 * MS)
+    assert p.acceptance_of(True)[0] == pytest.approx(0.69) and p.acceptance_of(False)[0] == pytest.approx(0.64)
+    assert p.choose(1, sampled=1) == 1
+    for a in (0, 1, 0, 0, 1, 0, 0, 0):
+        p.observe_verify(1, a, sampled=True)
+        assert p.choose(1, sampled=1) == 1
+    for i in range(40):
+        p.observe_verify(1, int(i % 10 < 3), sampled=True)
+    assert p.acceptance_of(True)[0] < 0.45 and p.choose(1, sampled=1) == 0
+    assert p.acceptance_of(False)[0] == pytest.approx(0.64)  # greedy drafts' figure is untouched
