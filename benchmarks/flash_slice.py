@@ -12,7 +12,8 @@ token reads per layer are the real model's. Weights are random, written tensor b
 in the official format (FP8 128x128 blocks, FP4 1x32 blocks, E8M0 scales) to a scratch
 directory that is not part of the repository.
 
-Per arm (`none` in bfloat16, `w8a8`; fp32 needs ~24 GB and is skipped), in a fresh
+Per arm (`none` in bfloat16, `w8a8` with its int8 weights prepacked for oneDNN as the
+engine loads them, `w8a8-unpacked` through `torch._int_mm`; fp32 needs ~24 GB and is skipped), in a fresh
 process: resident weight bytes (all, and the layers' without embedding and head), peak
 RSS, decode time per step at batch 1 and 4 (the model's forward, K = 0, 64-token
 contexts), the bytes one batch-1 step reads and the floor they imply at the copy
@@ -142,12 +143,17 @@ def _timed(fn, reps: int) -> float:
 
 def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool = False) -> dict:
     from benchmarks.run import copy_bandwidth
+    from dsv4.model import int8pack
     from dsv4.model.loader import load_model
     from dsv4.model.state import Batch
 
     t0 = time.perf_counter()
-    model = load_model(model_dir, dtype=getattr(torch, dtype), quantization=quantization)
+    # as the engine loads: w8a8 weights prepacked for oneDNN unless compiled steps are wanted;
+    # "w8a8-unpacked": plain int8 through torch._int_mm (the comparison)
+    model = load_model(model_dir, dtype=getattr(torch, dtype), quantization=quantization.removesuffix("-unpacked"),
+                       pack=not compile and quantization == "w8a8")
     load_s = time.perf_counter() - t0
+    packed = int8pack.packed_bytes(model)
     sd = model.state_dict()
     nbytes = {k: t.numel() * t.element_size() for k, t in sd.items()}
     total = sum(nbytes.values())
@@ -193,7 +199,7 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
     return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total, "layer_bytes": total - outer,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss": _rss(),
             "step_bytes": step_bytes, "bandwidth": bw, "t1": t1, "t4": t4, "t2": t2, "t_mtp": tm,
-            "n_moe_layers": n_moe, **comp}
+            "n_moe_layers": n_moe, "packed_bytes": packed, **comp}
 
 
 def _compiled_times(model, state, ctx: int, B: int, reps: int) -> dict:
@@ -383,7 +389,8 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--make", action="store_true")
     ap.add_argument("--arms", default="none:bfloat16,w8a8:bfloat16,transformers:bfloat16",
-                    help="QUANTIZATION:DTYPE,... (QUANTIZATION none, w8a8, or transformers: its DeepseekV4ForCausalLM)")
+                    help="QUANTIZATION:DTYPE,... (QUANTIZATION none, w8a8 (prepacked for oneDNN, as the engine "
+                         "loads it), w8a8-unpacked (torch._int_mm), or transformers: its DeepseekV4ForCausalLM)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--accept", type=float, default=0.66, help="MTP acceptance (the embedded model's, K = 1)")
     ap.add_argument("--compile", action="store_true",

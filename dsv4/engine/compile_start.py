@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import parallel
+from ..model import int8pack, parallel
 from .compile_env import CompileUnavailable, check_backend, private_cache_dir
 from .compiled import CompiledSteps
 
@@ -35,6 +35,9 @@ def start_compiled(runner: Any, config: Any, progress: Callable[[int, int], None
     if config.compile == "auto":
         if runner.device.type != "cpu" or parallel.world_size() > 1:
             return "compile: off (by default only a CPU with one rank loads compiled buckets; --compile builds them)"
+        if int8pack.packed_bytes(runner.model):
+            return ("compile: off (the int8 weights are prepacked for oneDNN's int8 matmul, which compiled "
+                    "steps cannot read; --compile loads them plain and builds the buckets)")
         return _load_cached(runner, config, progress)
     cache, reason = _cache_or_refusal(runner)
     if parallel.world_size() > 1:  # all ranks compile, or none

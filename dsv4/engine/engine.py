@@ -119,8 +119,11 @@ class Engine:
                             f"run dsv4.engine.ranks.serve_node(config) (the dsv4 commands do this themselves)")
         self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
         try:
+            # w8a8 on one CPU: int8 weights prepacked for oneDNN (int8pack), unless --compile
+            # asks for compiled steps, which read plain weights
             self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
-                                    quantization=config.quantization, progress=progress, world=T)
+                                    quantization=config.quantization, progress=progress, world=T,
+                                    pack=config.compile is not True)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..config import CSA, WINDOW, ModelConfig
-from . import parallel
+from . import int8pack, parallel
 from .compressor import Compressor, Indexer
 from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, inverse_rotation,
                      project, rms_unweighted, rot_rows)
@@ -101,6 +101,13 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         """Inference: one matmul for every projection of the layer input (see `FusedLinear`)."""
         self.fused = FusedLinear(self._x_linears())
+
+    def pack_int8(self, min_bytes: int) -> int:
+        """`int8pack.pack_model`: the fused projections of x packed here, and `wo_a` told to
+        keep one packed weight per output group (it packs itself, visited after this)."""
+        if hasattr(self.wo_a, "pack_groups"):
+            self.wo_a.pack_groups = self.n_groups
+        return int8pack.pack_fused(self.fused, self._x_linears(), min_bytes) if self.fused is not None else 0
 
     def _x_linears(self) -> list[Linear]:
         """The linears that read the layer input x, in the order `forward` unpacks them."""

@@ -98,10 +98,11 @@ class FusedLinear:
         self.scale = (_fuse_rows(linears, "scale", into.get("scale"))
                       if linears[0].scale is not None else None)  # [sum(sizes)]
         self._ends = (self.weight.data_ptr(), self.weight[sum(self.sizes) - self.sizes[-1]:].data_ptr())
+        self.packed = False  # `weight` is prepacked for oneDNN (`int8pack.pack_fused`); the linears' are meta
 
     def current(self, linears: list[nn.Module]) -> bool:
         """Whether the first and last parameters still live in the fused weight."""
-        return (linears[0].weight.data_ptr(), linears[-1].weight.data_ptr()) == self._ends
+        return self.packed or (linears[0].weight.data_ptr(), linears[-1].weight.data_ptr()) == self._ends
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = linear(x, self.weight) if self.scale is None else self.first.matmul(x, self.weight, self.scale)

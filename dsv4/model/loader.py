@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from . import kernels, parallel, sharding
+from . import int8pack, kernels, parallel, sharding
 from .checkpoint import (Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .model import DeepseekV4
@@ -63,7 +63,8 @@ def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                quantization: str | None = None, progress: Callable[[int, int], None] | None = None,
-               fuse: bool = True, counts: RowCounts | None = None, rank: int = 0, world: int = 1) -> DeepseekV4:
+               fuse: bool = True, counts: RowCounts | None = None, rank: int = 0, world: int = 1,
+               pack: bool = False) -> DeepseekV4:
     """Load a checkpoint directory (config.json + *.safetensors, official names).
 
     `quantization`: "none" (weights in `dtype`), "w8a8" (see `w8a8.py`), or None = as the
@@ -72,7 +73,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     or train the model afterwards only without it. `counts`, if given, receives how the
     FP4 rows converted to int8 (exactly or by rounding). With `world` > 1 the model is
     rank `rank`'s part of the tensor-parallel layout (`sharding.shard_model`) and only
-    that part is read from the files; the collectives need `parallel.init` first."""
+    that part is read from the files; the collectives need `parallel.init` first. `pack`
+    (w8a8 on the CPU, one rank): the int8 weights are prepacked for oneDNN's int8 matmul
+    where that is exact on this CPU (`int8pack.pack_model`); such a model serves eager only."""
     cfg = ModelConfig.from_dir(path)
     ck = Checkpoint(path)
     quantization = resolve_quantization(quantization, ck.quantization, str(path))
@@ -108,6 +111,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.make_rope_tables(dev)
     if quantization == "w8a8" and model.has_mtp:
         model.quantize_draft_head()
+    if pack and quantization == "w8a8" and dev.type == "cpu" and world == 1:
+        int8pack.pack_model(model)
     _release_free_memory()
     return model.eval()
 

@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from . import parallel
-from . import kernels
+from . import int8pack, kernels, parallel
 from .layers import FusedLinear, Linear, cast, constant, f32, linear, project, stack_views
 
 
@@ -33,6 +32,11 @@ class Expert(nn.Module):
     def fuse(self, into: dict[str, torch.Tensor] | None = None) -> None:
         """Inference: w1 and w3 as one matmul (see `FusedLinear`), in `into` when given."""
         self.fused = FusedLinear([self.w1, self.w3], into)
+
+    def pack_int8(self, min_bytes: int) -> int:
+        """`int8pack.pack_model`: the fused w1/w3 packed (a routed expert's was packed by its
+        MoE, which owns the storage; w2 packs itself)."""
+        return int8pack.pack_fused(self.fused, [self.w1, self.w3], min_bytes) if self.fused is not None else 0
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         g, u = (f32(t) for t in project(x, self.fused, [self.w1, self.w3]))
@@ -80,6 +84,7 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.local = range(cfg.n_routed_experts)  # the experts this rank holds (sharding.shard_model)
         self.stacked: dict[str, torch.Tensor] | None = None  # fuse(): the local experts' weights, stacked
+        self.packed = False  # pack_int8(): stacked["w13"] / ["w2"] are lists of prepacked weights per expert
 
     def fuse(self) -> None:
         """Inference: each expert's w1/w3 as one matmul, and the local experts' weights stacked
@@ -102,6 +107,30 @@ class MoE(nn.Module):
         if quant:
             st["s2"] = stack_views([ex.w2 for ex in local], "scale")
         self.stacked = st
+
+    def pack_int8(self, min_bytes: int) -> int:
+        """`int8pack.pack_model`: the stacked int8 experts (CPU, one expert's w1/w3 of at
+        least `min_bytes`) become lists of prepacked weights, one per local expert, which the
+        experts' fused w1/w3 and w2 share; their plain weights become meta. Returns the bytes."""
+        st = self.stacked
+        if (self.packed or st is None or "s13" not in st or st["w13"].device.type != "cpu"
+                or st["w13"][0].numel() < min_bytes):
+            return 0
+        local = [self.experts[e] for e in self.local]
+        if not self._stacked_current() or any(ex.fused is None for ex in local):
+            return 0
+        w13 = [int8pack.pack(w) for w in st["w13"]]  # [2I, D] each
+        w2 = [int8pack.pack(w) for w in st["w2"]]  # [D, I] each
+        total = st["w13"].numel() + st["w2"].numel()
+        for ex, p13, p2 in zip(local, w13, w2):
+            int8pack.pack_fused(ex.fused, [ex.w1, ex.w3], min_bytes, packed=p13)
+            ex.w2.packed, ex.w2.weight = [p2], int8pack.meta_like(ex.w2.weight)
+        st["w13"], st["w2"] = w13, w2
+        self.packed = True
+        return total
+
+    def packed_weights(self) -> list[torch.Tensor]:
+        return [*self.stacked["w13"], *self.stacked["w2"]] if self.packed else []
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, D], ids [T] -> [T, D]: the shared expert, plus each routed expert's
@@ -131,6 +160,8 @@ class MoE(nn.Module):
         st = self.stacked
         if st is None:
             return False
+        if self.packed:  # the experts' plain weights are meta: the stacked lists are the only copy
+            return True
         first, last = self.experts[self.local.start], self.experts[self.local.stop - 1]
         return (first.w1.weight.data_ptr() == st["w13"].data_ptr()
                 and last.w2.weight.data_ptr() == st["w2"][-1].data_ptr())
@@ -159,6 +190,8 @@ def gathered(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: tor
     st = moe.stacked
     if st is None:
         raise RuntimeError("the traced MoE needs fused experts (DeepseekV4.fuse_projections)")
+    if moe.packed:
+        raise RuntimeError("the traced MoE needs plain int8 experts; this model's are prepacked (int8pack)")
     lo, E = moe.local.start, len(moe.local)
     lim = moe.experts[lo].limit
     if st["w13"][0].numel() * st["w13"].element_size() >= OPAQUE_MIN_BYTES:  # grouped by `routed`, global ids
@@ -235,7 +268,7 @@ def routed(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch
     quant = "s13" in st
     if quant and x.device.type in ("cpu", "cuda"):
         xq, xs = kernels.quantize_tokens(x)  # [T, D] int8, [T, 1]
-    for e, t, w in _groups(idx, weights, lo, st["w13"].shape[0], n_experts):
+    for e, t, w in _groups(idx, weights, lo, len(st["w13"]), n_experts):
         xe = x if t is None else x[t]  # [c, D]
         if quant and x.device.type not in ("cpu", "cuda"):  # npu: its own fused quantise + matmul
             gu = kernels.w8a8_linear(xe, st["w13"][e], st["s13"][e])

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kernels, parallel
+from . import int8pack, kernels, parallel
 from .layers import Linear
 from .quant import FP4_VALUES, e8m0_bytes
 
@@ -45,11 +45,13 @@ class QuantLinear(nn.Module):
     unsplit product's."""
 
     row_parallel = False
+    pack_groups = 1  # `grouped` callers (attention's wo_a) set their G: packing keeps one weight per group
 
     def __init__(self, n_in: int, n_out: int, device: torch.device | str | None = None):
         super().__init__()
         self.register_buffer("weight", torch.empty(n_out, n_in, dtype=torch.int8, device=device))
         self.register_buffer("scale", torch.empty(n_out, dtype=torch.float32, device=device))
+        self.packed: list[torch.Tensor] | None = None  # `int8pack`: the weight prepacked, whole or per group
 
     @staticmethod
     def matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -57,16 +59,32 @@ class QuantLinear(nn.Module):
         return kernels.w8a8_linear(x, weight, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.w8a8_linear(x, self.weight, self.scale, parallel.all_reduce_max if self.row_parallel else None)
+        w = self.weight if self.packed is None else self.packed[0]
+        return kernels.w8a8_linear(x, w, self.scale, parallel.all_reduce_max if self.row_parallel else None)
 
     def grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in] -> [T, G, out / G], group g with its own rows (see `Linear.grouped`).
         Each (token, group) slice is quantised on its own: still row-independent."""
         T, G, _ = x.shape
         O = self.weight.shape[0] // G
-        outs = [kernels.w8a8_linear(x[:, g], self.weight[g * O:(g + 1) * O], self.scale[g * O:(g + 1) * O])
-                for g in range(G)]
+        ws = self.packed if self.packed is not None else [self.weight[g * O:(g + 1) * O] for g in range(G)]
+        outs = [kernels.w8a8_linear(x[:, g], ws[g], self.scale[g * O:(g + 1) * O]) for g in range(G)]
         return torch.stack(outs, dim=1)
+
+    def pack_int8(self, min_bytes: int) -> int:
+        """Hold the weight prepacked for oneDNN (`int8pack.pack_model`), one per `pack_groups`
+        rows, when it lives on the CPU and has at least `min_bytes`; the plain buffer becomes
+        meta. Returns the bytes packed."""
+        w, G = self.weight, self.pack_groups
+        if self.packed is not None or w.device.type != "cpu" or w.numel() < min_bytes:
+            return 0
+        O = w.shape[0] // G
+        self.packed = [int8pack.pack(w[g * O:(g + 1) * O]) for g in range(G)]
+        self.weight = int8pack.meta_like(w)
+        return w.numel()
+
+    def packed_weights(self) -> list[torch.Tensor]:
+        return self.packed or []
 
 
 def to_w8a8(model: nn.Module) -> nn.Module:

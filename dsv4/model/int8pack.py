@@ -1,0 +1,134 @@
+"""W8A8 weights prepacked for oneDNN's int8 matmul on CPU (eager decode and prefill).
+
+`torch._int_mm` on CPU hands oneDNN a plain int8 weight and oneDNN re-lays it out into
+its blocked format on every call: a 4096 x 4096 weight reads at ~13 GB/s with 2 threads
+where memory gives ~31. `torch.ops.onednn.qlinear_prepack` does that layout once, at load,
+and `qlinear_pointwise` then reads it at ~23 GB/s (BENCHMARKS.md, "W8A8 on a DeepSeek V4
+Flash-shaped slice"). Fed per-token-quantised rows with activation scale 1, zero point 0,
+weight scales 1 and float32 output, it returns the exact int32 products as float32, the
+same bits as `_int_mm(x, w).float()`, on CPUs whose int8 instructions do not saturate
+(VNNI, AMX; AVX2 as oneDNN runs it). AVX-512 without VNNI saturates int16 pair sums
+(`vpmaddubsw`): `exact()` checks the bits on this process's kernels once and packing is
+off where they differ.
+
+    if int8pack.exact():
+        packed = int8pack.pack(w)        # int8 [N, K] -> opaque oneDNN tensor (shape [K, N])
+        y = int8pack.mm(xq, packed)      # int8 [M, K] -> float32 [M, N], exact
+
+`pack_model(model)` (the loader's last step, single-process CPU, `--compile` off) packs every
+int8 weight of at least `MIN_BYTES` in place: the owners (`QuantLinear`, `FusedLinear`,
+`MoE`'s stacked experts) keep the packed tensors and their plain int8 buffers become meta
+tensors of the same shape, so memory does not grow and any stray read of a plain weight
+fails loudly instead of computing with garbage. A packed model cannot be saved, moved,
+sharded or compiled (those read plain weights): load it with `pack=False` for that.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+MIN_BYTES = 2 << 20  # smaller weights stay plain: measured 0.85-1.17x at 0.5-1 MiB, 1.1-1.5x at 2 MiB (2 threads)
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's int8 linear ops."""
+    return hasattr(torch.ops, "onednn") and hasattr(torch.ops.onednn, "qlinear_prepack") \
+        and hasattr(torch.ops.onednn, "qlinear_pointwise") and torch.backends.mkldnn.is_available()
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """int8 rows [N, K] (cpu) -> oneDNN's prepacked weight (opaque; its `.shape` is [K, N])."""
+    return torch.ops.onednn.qlinear_prepack(w.contiguous(), None)
+
+
+def mm(xq: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """Exact int8 [M, K] x packed rows ([K, N] as `pack` made it) -> float32 [M, N] (the int32
+    sums as float32)."""
+    N = packed.shape[1]
+    ones, zeros = _unit_scales(N)
+    return torch.ops.onednn.qlinear_pointwise(xq.contiguous(), 1.0, 0, packed, ones, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
+@functools.lru_cache(maxsize=None)
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int64)
+
+
+@functools.lru_cache(maxsize=1)
+def exact() -> bool:
+    """Whether packed products equal `torch._int_mm`'s bit for bit on this process's kernels:
+    rows of +-127 against rows of +-127 (the int16 pair sums that saturate without VNNI),
+    random rows, 1 and 17 tokens, a width that is not a multiple of the kernels' blocks."""
+    if not available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    K, N = 1000, 72  # N != K: the packed tensor's shape is [K, N]
+    w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
+    w[0], w[1], w[2, ::2], w[2, 1::2] = 127, -127, 127, -127
+    try:
+        packed = pack(w)
+        for M in (1, 17):
+            x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+            x[0] = 127
+            if M > 1:
+                x[1], x[2, ::2], x[2, 1::2] = -127, -127, 127
+            if not torch.equal(mm(x, packed), torch._int_mm(x, w.t()).float()):
+                return False
+    except RuntimeError:  # an op this build lacks at run time
+        return False
+    return True
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor of t's shape and dtype: what a packed owner leaves where its plain weight was."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def pack_fused(fused, linears: list[nn.Module], min_bytes: int, packed: torch.Tensor | None = None) -> int:
+    """A `layers.FusedLinear` of int8 `linears` on the CPU: hold its fused weight prepacked
+    (`packed`: already packed by the owner of the storage, the MoE's stacked experts) and make
+    the linears' plain weights meta. Returns the bytes packed here."""
+    w = fused.weight
+    if fused.packed or fused.scale is None or w.device.type != "cpu" or not fused.current(linears):
+        return 0
+    if packed is None and w.numel() < min_bytes:
+        return 0
+    fused.weight = pack(w) if packed is None else packed
+    for m in linears:
+        m.weight = meta_like(m.weight)  # a registered buffer of a QuantLinear
+    fused.packed = True
+    return w.numel() if packed is None else 0
+
+
+def pack_model(model: nn.Module, min_bytes: int | None = None) -> int:
+    """Pack every int8 weight of `model` (CPU, eager) of at least `min_bytes` (None:
+    `MIN_BYTES`) in place, each owner its own (`pack_int8` of `QuantLinear`, of the
+    `FusedLinear` owners, of `MoE`; a module is visited before its children, so an owner of
+    shared storage packs it before its views are seen). Returns the bytes now held packed
+    (0 when nothing qualified or this CPU's kernels are not exact)."""
+    if not exact():
+        return 0
+    min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+    packed = 0
+    for mod in model.modules():
+        fn = getattr(mod, "pack_int8", None)
+        if fn is not None:
+            packed += fn(min_bytes)
+    return packed
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the packed int8 weights `model` holds: the owners' (`packed_weights`) and
+    the fused projections' (`FusedLinear.weight`), each tensor once."""
+    seen: dict[int, torch.Tensor] = {}
+    for mod in model.modules():
+        for t in getattr(mod, "packed_weights", lambda: [])():
+            seen[id(t)] = t
+        fused = getattr(mod, "fused", None)
+        if getattr(fused, "packed", False):
+            seen[id(fused.weight)] = fused.weight
+    return sum(t.numel() * t.element_size() for t in seen.values())

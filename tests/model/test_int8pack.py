@@ -1,0 +1,134 @@
+"""W8A8 weights prepacked for oneDNN (`dsv4/model/int8pack.py`): the same bits as plain
+int8 through `torch._int_mm` at every step the engine runs, no second copy of the weights,
+no compiled steps over them, and off on kernels that are not exact."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dsv4
+from dsv4 import LLM, SamplingParams
+from dsv4.model import int8pack, kernels
+from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.moe import gathered
+from dsv4.model.state import Batch
+from dsv4.model.w8a8 import QuantLinear, from_float, to_w8a8
+from tests.model.tiny import tiny_config
+
+needs_exact = pytest.mark.skipif(not int8pack.exact(), reason="this CPU's oneDNN int8 kernels are not exact "
+                                 "(AVX-512 without VNNI saturates): packing is off here")
+
+
+def _w8a8_model(pack: bool) -> DeepseekV4:
+    torch.manual_seed(0)
+    model = to_w8a8(init_random(DeepseekV4(tiny_config()), seed=0).eval()).fuse_projections()
+    if pack:
+        assert int8pack.pack_model(model, min_bytes=0) > 0
+    return model
+
+
+def _steps(model: DeepseekV4) -> list[torch.Tensor]:
+    """Chunked prefill of two requests (one batched with the other's second chunk), a
+    2-token verify step of both, the MTP over the prefill, a rollback and a 1-token step."""
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randint(2, 128, (30,), generator=g).tolist(), torch.randint(2, 128, (12,), generator=g).tolist()
+    st = model.new_state(2, 128, max_chunk=64)
+    out = []
+    with torch.inference_mode():
+        h0, lg = model.forward_batch(Batch.build([(0, 0, a[:7])]), st)
+        out.append(lg)
+        h1, lg = model.forward_batch(Batch.build([(0, 7, a[7:]), (1, 0, b)]), st)
+        out.append(lg)
+        out.append(model.forward_batch(Batch.build([(0, 30, [5, 6]), (1, 12, [7, 8])]), st)[1])
+        z, lg = model.mtp_forward(Batch.build([(0, 0, a[1:7] + [a[7]])]), h0, st, None)
+        out += [z, lg]
+        st.rollback(0, 31)
+        out.append(model.forward_batch(Batch.build([(0, 31, [9])]), st)[1])
+    return out
+
+
+@needs_exact
+@pytest.mark.exact
+def test_packed_int8_is_bit_for_bit_the_plain_model():
+    plain, packed = _steps(_w8a8_model(False)), _steps(_w8a8_model(True))
+    assert len(plain) == len(packed) == 6
+    for i, (x, y) in enumerate(zip(plain, packed)):
+        assert torch.equal(x, y), f"output {i} differs by {(x - y).abs().max().item()}"
+
+
+@needs_exact
+@pytest.mark.exact
+def test_packed_matmul_is_the_exact_int_product_at_every_row_count():
+    g = torch.Generator().manual_seed(0)
+    wq, ws = from_float(torch.randn(72, 200, generator=g))
+    p = int8pack.pack(wq)
+    for m in (1, 2, 5, 17, 64):
+        x = torch.randn(m, 200, generator=g)
+        xq, xs = kernels.quantize_tokens(x)
+        ref = (xq.long() @ wq.long().t()).float() * xs * ws  # exact in int64
+        assert torch.equal(kernels.w8a8_linear(x, p, ws), ref)
+        assert torch.equal(kernels.w8a8_linear(x[:1], p, ws), ref[:1])  # alone = batched
+
+
+@needs_exact
+def test_packing_keeps_one_copy_and_plain_reads_fail_loudly():
+    model = _w8a8_model(True)
+    int8 = sum(m.weight.numel() for m in model.modules() if isinstance(m, QuantLinear))
+    assert int8pack.packed_bytes(model) == int8  # every int8 weight, once (the stacked experts' views too)
+    sd = model.state_dict()
+    assert all(t.is_meta for k, t in sd.items() if t.dtype == torch.int8)
+    assert not any(t.is_meta for t in sd.values() if t.dtype != torch.int8)  # scales, norms, head stay
+    moe = model.layers[0].ffn
+    assert moe.packed and isinstance(moe.stacked["w13"], list)
+    wq = model.layers[0].attn.wq_b
+    with pytest.raises(RuntimeError, match="prepacked"):  # the plain weight is gone (torch._int_mm would read
+        kernels.w8a8_linear(torch.randn(1, wq.weight.shape[1]), wq.weight, wq.scale)  # garbage from it)
+    with pytest.raises(RuntimeError, match="prepacked"):
+        x = torch.randn(2, model.cfg.hidden_size)
+        gathered(torch.zeros(2, model.cfg.hidden_size), x, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.long), moe)
+
+
+def test_small_weights_stay_plain():
+    model = _w8a8_model(False)
+    assert int8pack.pack_model(model) == 0  # the tiny model's weights are all under MIN_BYTES
+    assert not any(t.is_meta for t in model.state_dict().values())
+
+
+@needs_exact
+def test_engine_packs_w8a8_and_serves_the_same_tokens(monkeypatch):
+    """The engine loads w8a8 packed (compile auto says why it stays off) and its tokens,
+    drafts and logprobs are the plain model's."""
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = list(range(10, 50))
+
+    def run() -> tuple[list, list, str, int]:
+        with LLM(dsv4.DEFAULT_MODEL, quantization="w8a8", num_speculative_tokens=1, compile="auto") as llm:
+            out = llm.generate([prompt], params)[0]
+            lps = out.logprobs
+            return out.token_ids, lps, llm.engine.compile_note, int8pack.packed_bytes(llm.engine.model)
+
+    ids, lps, note, packed = run()
+    assert packed == 0  # the embedded model's int8 weights are under MIN_BYTES
+    monkeypatch.setattr(int8pack, "MIN_BYTES", 0)
+    ids2, lps2, note2, packed2 = run()
+    assert packed2 > 0 and "prepacked" in note2 and "prepacked" not in note
+    assert ids2 == ids and lps2 == lps
+
+
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="needs an AVX-512 CPU")
+def test_exact_refuses_kernels_that_saturate():
+    """AVX-512 without VNNI sums u8 x s8 pairs in saturating int16 (`vpmaddubsw`): limited to
+    it, oneDNN's int8 matmul is not exact and packing stays off; AVX2 and VNNI are exact."""
+    def exact_under(isa: str) -> str:
+        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+        r = subprocess.run([sys.executable, "-c", "from dsv4.model import int8pack; print(int8pack.exact())"],
+                           env=env, capture_output=True, text=True, check=True)
+        return r.stdout.strip()
+
+    assert exact_under("AVX512_CORE") == "False"
+    assert exact_under("AVX2") == "True"
