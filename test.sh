@@ -7,8 +7,9 @@
 # files, `late_e2e`, run last in the third run instead), tests/unit + tests/model
 # (arithmetic), and the exactness tier (`-m exact`: chunked = whole, MTP on =
 # off, seeded output, T = 2 = T = 1, ...) again under the CPU kernels of other machines:
-# ATEN_CPU_CAPABILITY=avx2 with MKL held to AVX2 (as on an AMD EPYC) and =default (no SIMD),
-# so a promise that holds only on this CPU's kernels fails here too. Each run writes its
+# ATEN_CPU_CAPABILITY=avx2 with MKL and oneDNN held to AVX2 (as on an AMD EPYC without VNNI)
+# and =default (no SIMD; MKL SSE4_2, oneDNN SSE41), so a promise that holds only on this
+# CPU's kernels fails here too. Each run writes its
 # own log, shown in full when it ends; the exit status is non-zero if any run failed.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,12 +33,12 @@ late_e2e=(tests/e2e/test_http_tokenize.py tests/e2e/test_http_logprobs.py tests/
           tests/e2e/test_run_tools.py)
 
 tier() {
-  local status=0 cap mkl
+  local status=0 cap mkl dnnl
   for cap in avx2 default; do
-    mkl=AVX2
-    [ "$cap" = default ] && mkl=SSE4_2
-    echo "== the exactness tier under ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl"
-    ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl OMP_NUM_THREADS=1 \
+    mkl=AVX2 dnnl=AVX2
+    [ "$cap" = default ] && mkl=SSE4_2 dnnl=SSE41
+    echo "== the exactness tier under ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$dnnl"
+    ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$dnnl OMP_NUM_THREADS=1 \
       "$py" -m pytest -p no:cacheprovider -m exact || status=1
   done
   echo "== e2e: ${late_e2e[*]}"

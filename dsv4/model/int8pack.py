@@ -6,10 +6,11 @@ where memory gives ~31. `torch.ops.onednn.qlinear_prepack` does that layout once
 and `qlinear_pointwise` then reads it at ~23 GB/s (BENCHMARKS.md, "W8A8 on a DeepSeek V4
 Flash-shaped slice"). Fed per-token-quantised rows with activation scale 1, zero point 0,
 weight scales 1 and float32 output, it returns the exact int32 products as float32, the
-same bits as `_int_mm(x, w).float()`, on CPUs whose int8 instructions do not saturate
-(VNNI, AMX; AVX2 as oneDNN runs it). AVX-512 without VNNI saturates int16 pair sums
-(`vpmaddubsw`): `exact()` checks the bits on this process's kernels once and packing is
-off where they differ.
+same values as an exact `_int_mm(x, w).float()`, where its int8 instructions do not
+saturate: VNNI and AMX, and AVX-512 without VNNI as oneDNN packs for it. On AVX2 without
+VNNI its int16 pair sums saturate (as `torch._int_mm`'s do there and on AVX-512 without
+VNNI; `kernels.int_mm` then splits the weight): `exact()` checks the products against int64
+once per process and packing is off where they differ.
 
     if int8pack.exact():
         packed = int8pack.pack(w)        # int8 [N, K] -> opaque oneDNN tensor (shape [K, N])
@@ -26,6 +27,7 @@ sharded or compiled (those read plain weights): load it with `pack=False` for th
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -58,29 +60,37 @@ def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.ones(n, dtype=torch.float32), torch.zeros(n, dtype=torch.int64)
 
 
-@functools.lru_cache(maxsize=1)
-def exact() -> bool:
-    """Whether packed products equal `torch._int_mm`'s bit for bit on this process's kernels:
-    rows of +-127 against rows of +-127 (the int16 pair sums that saturate without VNNI),
-    random rows, 1 and 17 tokens, a width that is not a multiple of the kernels' blocks."""
-    if not available():
-        return False
+def exact_product(mm_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> bool:
+    """Whether `mm_fn(xq [M, K], wq [N, K])` is the exact integer product on this process's
+    kernels, checked against int64 on rows of +-127 and alternating signs (oneDNN without
+    VNNI sums pairs of u8 x s8 products, the int8 activation shifted by 128, in int16:
+    (127 + 128) * 127 twice saturates) and random rows, at 1 and 17 tokens."""
     g = torch.Generator().manual_seed(0)
-    K, N = 1000, 72  # N != K: the packed tensor's shape is [K, N]
+    K, N = 1024, 72
     w = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=g)
     w[0], w[1], w[2, ::2], w[2, 1::2] = 127, -127, 127, -127
-    try:
-        packed = pack(w)
-        for M in (1, 17):
-            x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
-            x[0] = 127
-            if M > 1:
-                x[1], x[2, ::2], x[2, 1::2] = -127, -127, 127
-            if not torch.equal(mm(x, packed), torch._int_mm(x, w.t()).float()):
-                return False
-    except RuntimeError:  # an op this build lacks at run time
-        return False
+    for M in (1, 17):
+        x = torch.randint(-127, 128, (M, K), dtype=torch.int8, generator=g)
+        x[0] = 127
+        if M > 1:
+            x[1], x[2, ::2], x[2, 1::2] = -127, -127, 127
+        ref = x.long() @ w.long().t()
+        try:
+            out = mm_fn(x, w)
+        except RuntimeError:  # an op this build lacks at run time
+            return False
+        same = torch.equal(out.long(), ref) if not out.is_floating_point() else \
+            torch.equal(out.double(), ref.float().double())  # float32 output: the exact sums, rounded once
+        if not same:
+            return False
     return True
+
+
+@functools.lru_cache(maxsize=1)
+def exact() -> bool:
+    """Whether packed products are exact on this process's kernels (`exact_product`): VNNI,
+    AMX and AVX-512 without VNNI (as oneDNN packs) are; AVX2 and older saturate."""
+    return available() and exact_product(lambda x, w: mm(x, pack(w)))
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:

@@ -119,13 +119,15 @@ class MoE(nn.Module):
         local = [self.experts[e] for e in self.local]
         if not self._stacked_current() or any(ex.fused is None for ex in local):
             return 0
-        w13 = [int8pack.pack(w) for w in st["w13"]]  # [2I, D] each
-        w2 = [int8pack.pack(w) for w in st["w2"]]  # [D, I] each
         total = st["w13"].numel() + st["w2"].numel()
-        for ex, p13, p2 in zip(local, w13, w2):
+        # w13 first, and its plain storage gone (no view of it left) before w2 packs: loading
+        # peaks at one layer's packed w1/w3 more than the plain model, not all its experts
+        st["w13"] = [int8pack.pack(w) for w in st["w13"]]  # [2I, D] each
+        for ex, p13 in zip(local, st["w13"]):
             int8pack.pack_fused(ex.fused, [ex.w1, ex.w3], min_bytes, packed=p13)
+        st["w2"] = [int8pack.pack(w) for w in st["w2"]]  # [D, I] each
+        for ex, p2 in zip(local, st["w2"]):
             ex.w2.packed, ex.w2.weight = [p2], int8pack.meta_like(ex.w2.weight)
-        st["w13"], st["w2"] = w13, w2
         self.packed = True
         return total
 

@@ -59,6 +59,8 @@ class QuantLinear(nn.Module):
         return kernels.w8a8_linear(x, weight, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and len(self.packed) > 1:
+            raise RuntimeError(f"this linear is packed per output group ({len(self.packed)}): call grouped()")
         w = self.weight if self.packed is None else self.packed[0]
         return kernels.w8a8_linear(x, w, self.scale, parallel.all_reduce_max if self.row_parallel else None)
 

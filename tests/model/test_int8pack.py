@@ -120,15 +120,50 @@ def test_engine_packs_w8a8_and_serves_the_same_tokens(monkeypatch):
     assert ids2 == ids and lps2 == lps
 
 
-@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="needs an AVX-512 CPU")
-def test_exact_refuses_kernels_that_saturate():
-    """AVX-512 without VNNI sums u8 x s8 pairs in saturating int16 (`vpmaddubsw`): limited to
-    it, oneDNN's int8 matmul is not exact and packing stays off; AVX2 and VNNI are exact."""
-    def exact_under(isa: str) -> str:
-        env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
-        r = subprocess.run([sys.executable, "-c", "from dsv4.model import int8pack; print(int8pack.exact())"],
-                           env=env, capture_output=True, text=True, check=True)
-        return r.stdout.strip()
+def _flags() -> str:
+    try:
+        return open("/proc/cpuinfo").read()
+    except OSError:
+        return ""
 
-    assert exact_under("AVX512_CORE") == "False"
-    assert exact_under("AVX2") == "True"
+
+def _under_isa(isa: str, code: str) -> str:
+    """`code`'s stdout in a fresh interpreter whose oneDNN is held to `isa`."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": isa}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
+CHECK = ("import torch; from dsv4.model import int8pack, kernels\n"
+         "g = torch.Generator().manual_seed(3)\n"
+         "w = torch.randint(-127, 128, (300, 4096), dtype=torch.int8, generator=g); w[0] = 127\n"
+         "x = torch.randint(-127, 128, (33, 4096), dtype=torch.int8, generator=g); x[0] = 127\n"
+         "ref = x.long() @ w.long().t()\n"
+         "print(kernels.cpu_saturates(), int8pack.exact(), torch.equal(kernels.int_mm(x, w).long(), ref),\n"
+         "      torch.equal(torch._int_mm(x, w.t()).long(), ref))")
+
+
+@pytest.mark.skipif(" avx2" not in _flags(), reason="needs an x86 CPU with AVX2")
+def test_int8_products_stay_exact_where_onednn_saturates():
+    """oneDNN without VNNI adds u8 x s8 pairs in int16 (the int8 activation shifted by 128):
+    a row of 127s against a row of 127s comes out near 0.5 M instead of 66 M. Held to AVX2,
+    `torch._int_mm` is that wrong, the process says so, `kernels.int_mm` splits the weight
+    and stays exact, and packing (which saturates there too) stays off."""
+    saturates, packed_exact, int_mm_exact, raw_exact = _under_isa("AVX2", CHECK).split()
+    assert (saturates, packed_exact, int_mm_exact, raw_exact) == ("True", "False", "True", "False")
+
+
+@pytest.mark.skipif(" avx512f" not in _flags(), reason="needs an AVX-512 CPU")
+def test_packing_is_exact_on_avx512_without_vnni():
+    """AVX-512 without VNNI: `torch._int_mm` saturates (split), oneDNN's packed kernel does
+    not, so packing stays on, and both give the exact product."""
+    assert _under_isa("AVX512_CORE", CHECK).split() == ["True", "True", "True", "False"]
+
+
+def test_the_split_product_is_exact_on_saturating_rows():
+    g = torch.Generator().manual_seed(4)
+    w = torch.randint(-127, 128, (40, 512), dtype=torch.int8, generator=g)
+    x = torch.randint(-127, 128, (5, 512), dtype=torch.int8, generator=g)
+    w[0], w[1], x[0], x[1, ::2], x[1, 1::2] = 127, -127, 127, 127, -127
+    assert torch.equal(kernels._split_mm(x, w).long(), x.long() @ w.long().t())
+    assert int8pack.exact_product(lambda a, b: kernels._split_mm(a, b))
