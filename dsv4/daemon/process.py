@@ -250,6 +250,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         for line in config.banner_lines():
             log.info("%s", line)
         log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
+        if getattr(engine, "quant_note", ""):
+            log.info("%s", engine.quant_note)
         if len(getattr(engine, "rank_weight_bytes", ())) > 1:
             log.info("weights per rank: %s", ", ".join(f"rank {r} {human_bytes(b)}"
                                                         for r, b in enumerate(engine.rank_weight_bytes)))

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..model import int8pack
 from ..model.loader import load_model
 from .config import EngineConfig
 from .kvcache import BlockManager
@@ -129,6 +130,8 @@ class Engine:
                 self.ranks.close()
             raise
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
+        self.quant_note = (int8pack.describe(self.model)  # the banner's line: packed, or split products
+                           if config.quantization == "w8a8" and self.device.type == "cpu" else "")
         self.weight_bytes = self.rank_weight_bytes[0]
         if self.ranks is not None:
             agree_pool(config)  # with the followers' agree_pool (ranks.py), at the same point

@@ -9,8 +9,8 @@ weight scales 1 and float32 output, it returns the exact int32 products as float
 same values as an exact `_int_mm(x, w).float()`, where its int8 instructions do not
 saturate: VNNI and AMX, and AVX-512 without VNNI as oneDNN packs for it. On AVX2 without
 VNNI its int16 pair sums saturate (as `torch._int_mm`'s do there and on AVX-512 without
-VNNI; `kernels.int_mm` then splits the weight): `exact()` checks the products against int64
-once per process and packing is off where they differ.
+VNNI; `kernels.int_mm` then multiplies by two halves of the weight, `split_mm`): `exact()`
+checks the products against int64 once per process and packing is off where they differ.
 
     if int8pack.exact():
         packed = int8pack.pack(w)        # int8 [N, K] -> opaque oneDNN tensor (shape [K, N])
@@ -91,6 +91,39 @@ def exact() -> bool:
     """Whether packed products are exact on this process's kernels (`exact_product`): VNNI,
     AMX and AVX-512 without VNNI (as oneDNN packs) are; AVX2 and older saturate."""
     return available() and exact_product(lambda x, w: mm(x, pack(w)))
+
+
+SATURATES: bool | None = None  # cpu: torch._int_mm's int16 pair sums saturate here (`cpu_saturates`)
+
+
+def cpu_saturates() -> bool:
+    """Whether `torch._int_mm` on this CPU is not the exact product: oneDNN without VNNI
+    (AVX2, AVX-512 without VNNI) adds u8 x s8 products in pairs in int16, the int8
+    activation shifted by 128, so (127 + 128) * 127 twice saturates; an all-127 row of 4096
+    came out as 0.5 M instead of 66 M. Checked once per process (`exact_product`)."""
+    global SATURATES
+    if SATURATES is None:
+        SATURATES = not exact_product(lambda x, w: torch._int_mm(x, w.t()))
+    return SATURATES
+
+
+def split_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """The exact int32 product where `torch._int_mm` saturates: wq = a + b with |a| <= 64,
+    |b| <= 63, so that no pair sum leaves int16 ((127 + 128) * 64 * 2 = 32640); two products
+    (2.3x one, held to AVX2 on this machine's 4096 x 4096 at one row)."""
+    a = wq.clamp(-64, 64)
+    return torch._int_mm(xq, a.t()) + torch._int_mm(xq, (wq - a).t())
+
+
+def describe(model: nn.Module) -> str:
+    """The startup line for a w8a8 model on the CPU: what was packed, or that products split."""
+    n = packed_bytes(model)
+    if n:
+        return f"w8a8: {n / 2**30:.2f} GiB of int8 weights prepacked for oneDNN's int8 matmul"
+    if cpu_saturates():
+        return ("w8a8: this CPU's int8 matmul (no VNNI) saturates int16 pair sums, so every int8 product runs as "
+                "two that cannot: exact, about twice the int8 work (--quantization none may decode faster here)")
+    return ""
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ Backends, picked by the device of x:
 * cpu: `torch._int_mm` (no shape rules on CPU; checked with M = 1, K = 17, N = 5), or
   oneDNN's prepacked int8 linear for weights the loader packed (`int8pack`: exact, 1.5-1.8x).
   Without VNNI (AVX2, AVX-512 without VNNI) `_int_mm` saturates int16 pair sums: there the
-  weight is split in two halves that cannot (`cpu_saturates`, `_split_mm`: exact, ~2-3x the cost);
+  weight is split in two halves that cannot (`int8pack.cpu_saturates`, `split_mm`: exact, ~2.3x);
 * cuda: `torch._int_mm`, padded to its rules (M > 16, K and N multiples of 8);
 * npu: `torch_npu.npu_dynamic_quant` + `torch_npu.npu_quant_matmul`. UNTESTED on a real
   NPU (none was available): only its layout and scale conversions (`npu_weight_layout`,
@@ -62,27 +62,6 @@ def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[to
     return q, s.squeeze(-1)
 
 
-_SATURATES: bool | None = None  # cpu: torch._int_mm's int16 pair sums saturate here (`cpu_saturates`)
-
-
-def cpu_saturates() -> bool:
-    """Whether `torch._int_mm` on this CPU is not the exact product: oneDNN without VNNI
-    (AVX2, AVX-512 without VNNI) adds u8 x s8 products in pairs in int16, the int8
-    activation shifted by 128, so (127 + 128) * 127 twice saturates; an all-127 row of 4096
-    came out as 0.5 M instead of 66 M. Checked once per process (`int8pack.exact_product`)."""
-    global _SATURATES
-    if _SATURATES is None:
-        _SATURATES = not int8pack.exact_product(lambda x, w: torch._int_mm(x, w.t()))
-    return _SATURATES
-
-
-def _split_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """The exact product where `torch._int_mm` saturates: wq = a + b with |a| <= 64, |b| <= 63,
-    so that a pair sum stays within int16 ((127 + 128) * 64 * 2 = 32640), two products."""
-    a = wq.clamp(-64, 64)
-    return torch._int_mm(xq, a.t()) + torch._int_mm(xq, (wq - a).t())
-
-
 def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """Exact int8 [M, K] x int8 rows [N, K] -> int32 [M, N] on cpu or cuda (float32 [M, N],
     the same values, when wq is prepacked for oneDNN: `int8pack`)."""
@@ -92,8 +71,8 @@ def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"int8 weight {tuple(wq.shape)} has no data: it is prepacked (int8pack) and "
                            f"its owner multiplies by the packed copy")
     if xq.device.type != "cuda":
-        if _SATURATES if _SATURATES is not None else cpu_saturates():
-            return _split_mm(xq, wq)
+        if int8pack.SATURATES if int8pack.SATURATES is not None else int8pack.cpu_saturates():
+            return int8pack.split_mm(xq, wq)
         return torch._int_mm(xq, wq.t())
     M, K = xq.shape
     N = wq.shape[0]
@@ -144,7 +123,7 @@ def check_kernel(device: torch.device | str) -> None:
             raise W8A8Error(f"--quantization w8a8: torch {torch.__version__} has no torch._int_mm for "
                             f"--device {kind}; upgrade torch or use --quantization none")
         if kind == "cpu":
-            cpu_saturates()  # decided before any step (and before a compiled step traces int_mm)
+            int8pack.cpu_saturates()  # decided before any step (and before a compiled step traces int_mm)
         return
     if kind == "npu":
         try:

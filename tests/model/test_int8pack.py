@@ -118,6 +118,7 @@ def test_engine_packs_w8a8_and_serves_the_same_tokens(monkeypatch):
     ids2, lps2, note2, packed2 = run()
     assert packed2 > 0 and "prepacked" in note2 and "prepacked" not in note
     assert ids2 == ids and lps2 == lps
+    assert int8pack.describe(_w8a8_model(True)).startswith("w8a8: 0.00 GiB of int8 weights prepacked")
 
 
 def _flags() -> str:
@@ -139,7 +140,7 @@ CHECK = ("import torch; from dsv4.model import int8pack, kernels\n"
          "w = torch.randint(-127, 128, (300, 4096), dtype=torch.int8, generator=g); w[0] = 127\n"
          "x = torch.randint(-127, 128, (33, 4096), dtype=torch.int8, generator=g); x[0] = 127\n"
          "ref = x.long() @ w.long().t()\n"
-         "print(kernels.cpu_saturates(), int8pack.exact(), torch.equal(kernels.int_mm(x, w).long(), ref),\n"
+         "print(int8pack.cpu_saturates(), int8pack.exact(), torch.equal(kernels.int_mm(x, w).long(), ref),\n"
          "      torch.equal(torch._int_mm(x, w.t()).long(), ref))")
 
 
@@ -165,5 +166,5 @@ def test_the_split_product_is_exact_on_saturating_rows():
     w = torch.randint(-127, 128, (40, 512), dtype=torch.int8, generator=g)
     x = torch.randint(-127, 128, (5, 512), dtype=torch.int8, generator=g)
     w[0], w[1], x[0], x[1, ::2], x[1, 1::2] = 127, -127, 127, 127, -127
-    assert torch.equal(kernels._split_mm(x, w).long(), x.long() @ w.long().t())
-    assert int8pack.exact_product(lambda a, b: kernels._split_mm(a, b))
+    assert torch.equal(int8pack.split_mm(x, w).long(), x.long() @ w.long().t())
+    assert int8pack.exact_product(int8pack.split_mm)
