@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
-from . import kernels, parallel
+from . import int8pack, kernels, parallel
 from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
 from .moe import MoE
 from .state import Batch, LayerState, ModelState
@@ -126,6 +126,20 @@ class DeepseekV4(nn.Module):
             q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(w[lo:lo + rows])
         self.draft_head = {"weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
+
+    def pack_int8(self, min_bytes: int) -> int:
+        """`int8pack.pack_model`: the MTP's int8 copy of the head prepacked for oneDNN (in
+        place of the plain one and its bf16 scales), when it lives on the CPU and has at least
+        `min_bytes`. Returns the bytes packed."""
+        head = self.draft_head
+        if head is None or "weight" not in head or head["weight"].device.type != "cpu" \
+                or head["weight"].numel() < min_bytes:
+            return 0
+        self.draft_head = {"packed": int8pack.pack(head["weight"]), "scale": head["scale"]}
+        return head["weight"].numel()
+
+    def packed_weights(self) -> list[torch.Tensor]:
+        return [self.draft_head["packed"]] if self.draft_head is not None and "packed" in self.draft_head else []
 
     @property
     def has_mtp(self) -> bool:

@@ -106,18 +106,21 @@ def test_engine_packs_w8a8_and_serves_the_same_tokens(monkeypatch):
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
     prompt = list(range(10, 50))
 
-    def run() -> tuple[list, list, str, int]:
+    def run() -> tuple[list, list, str, int, int]:
         with LLM(dsv4.DEFAULT_MODEL, quantization="w8a8", num_speculative_tokens=1, compile="auto") as llm:
             out = llm.generate([prompt], params)[0]
             lps = out.logprobs
-            return out.token_ids, lps, llm.engine.compile_note, int8pack.packed_bytes(llm.engine.model)
+            m = llm.engine.model
+            assert ("packed" in m.draft_head) == (int8pack.MIN_BYTES == 0)  # the MTP's int8 head too
+            return (out.token_ids, lps, llm.engine.compile_note, int8pack.packed_bytes(m),
+                    out.metrics["spec"]["drafted"])
 
-    ids, lps, note, packed = run()
+    ids, lps, note, packed, drafted = run()
     assert packed == 0  # the embedded model's int8 weights are under MIN_BYTES
     monkeypatch.setattr(int8pack, "MIN_BYTES", 0)
-    ids2, lps2, note2, packed2 = run()
+    ids2, lps2, note2, packed2, drafted2 = run()
     assert packed2 > 0 and "prepacked" in note2 and "prepacked" not in note
-    assert ids2 == ids and lps2 == lps
+    assert ids2 == ids and lps2 == lps and drafted2 > 0 and drafted > 0  # the drafts through the packed head
     assert int8pack.describe(_w8a8_model(True)).startswith("w8a8: 0.00 GiB of int8 weights prepacked")
 
 
