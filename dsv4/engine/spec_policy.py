@@ -181,8 +181,12 @@ class SpecPolicy:
     @property
     def acceptance(self) -> list[float]:
         """a_1..a_max_k of the current request mix (`sampled_share`), per depth."""
-        g, s, w = self.acceptance_of(False), self.acceptance_of(True), self.sampled_share
-        return [(1 - w) * a + w * b for a, b in zip(g, s)]
+        return self._mix(self.acceptance_of(False), self.acceptance_of(True))
+
+    def _mix(self, greedy: list[float], sampled: list[float]) -> list[float]:
+        """Per-kind figures averaged over the request mix (`sampled_share` of them sampled)."""
+        w = self.sampled_share
+        return [(1 - w) * a + w * b for a, b in zip(greedy, sampled)] if w else greedy
 
     # ---------------------------------------------------------------- the choice
     def expected_tokens_all(self) -> list[float]:
@@ -194,11 +198,7 @@ class SpecPolicy:
                 run *= a
                 out.append(out[-1] + run)
             return out
-        w = self.sampled_share
-        g = one(self.acceptance_of(False))
-        if not w:
-            return g
-        return [(1 - w) * x + w * y for x, y in zip(g, one(self.acceptance_of(True)))]
+        return self._mix(one(self.acceptance_of(False)), one(self.acceptance_of(True)))
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one request emits per step with K = k (`expected_tokens_all`)."""

@@ -103,11 +103,10 @@ class Attention(nn.Module):
         self.fused = FusedLinear(self._x_linears())
 
     def pack_int8(self, min_bytes: int) -> int:
-        """`int8pack.pack_model`: the fused projections of x packed here, and `wo_a` told to
-        keep one packed weight per output group (it packs itself, visited after this)."""
-        if hasattr(self.wo_a, "pack_groups"):
-            self.wo_a.pack_groups = self.n_groups
-        return int8pack.pack_fused(self.fused, self._x_linears(), min_bytes) if self.fused is not None else 0
+        """`int8pack.pack_model`: the fused projections of x, and `wo_a` with one packed weight
+        per output group (visited before its children, which then find themselves packed)."""
+        n = self.wo_a.pack_int8(min_bytes, groups=self.n_groups) if hasattr(self.wo_a, "pack_int8") else 0
+        return n + (int8pack.pack_fused(self.fused, self._x_linears(), min_bytes) if self.fused is not None else 0)
 
     def _x_linears(self) -> list[Linear]:
         """The linears that read the layer input x, in the order `forward` unpacks them."""

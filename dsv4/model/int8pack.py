@@ -126,6 +126,11 @@ def describe(model: nn.Module) -> str:
     return ""
 
 
+def worth_packing(w: torch.Tensor, min_bytes: int) -> bool:
+    """Whether a plain int8 weight gets packed: on the CPU and at least `min_bytes`."""
+    return w.device.type == "cpu" and w.numel() * w.element_size() >= min_bytes
+
+
 def meta_like(t: torch.Tensor) -> torch.Tensor:
     """A meta tensor of t's shape and dtype: what a packed owner leaves where its plain weight was."""
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
@@ -136,9 +141,9 @@ def pack_fused(fused, linears: list[nn.Module], min_bytes: int, packed: torch.Te
     (`packed`: already packed by the owner of the storage, the MoE's stacked experts) and make
     the linears' plain weights meta. Returns the bytes packed here."""
     w = fused.weight
-    if fused.packed or fused.scale is None or w.device.type != "cpu" or not fused.current(linears):
+    if fused.packed or fused.scale is None or not fused.current(linears):
         return 0
-    if packed is None and w.numel() < min_bytes:
+    if packed is None and not worth_packing(w, min_bytes):
         return 0
     fused.weight = pack(w) if packed is None else packed
     for m in linears:

@@ -71,7 +71,7 @@ def int_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"int8 weight {tuple(wq.shape)} has no data: it is prepacked (int8pack) and "
                            f"its owner multiplies by the packed copy")
     if xq.device.type != "cuda":
-        if int8pack.SATURATES if int8pack.SATURATES is not None else int8pack.cpu_saturates():
+        if int8pack.cpu_saturates():
             return int8pack.split_mm(xq, wq)
         return torch._int_mm(xq, wq.t())
     M, K = xq.shape

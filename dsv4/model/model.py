@@ -132,8 +132,7 @@ class DeepseekV4(nn.Module):
         place of the plain one and its bf16 scales), when it lives on the CPU and has at least
         `min_bytes`. Returns the bytes packed."""
         head = self.draft_head
-        if head is None or "weight" not in head or head["weight"].device.type != "cpu" \
-                or head["weight"].numel() < min_bytes:
+        if head is None or "weight" not in head or not int8pack.worth_packing(head["weight"], min_bytes):
             return 0
         self.draft_head = {"packed": int8pack.pack(head["weight"]), "scale": head["scale"]}
         return head["weight"].numel()

@@ -113,8 +113,7 @@ class MoE(nn.Module):
         least `min_bytes`) become lists of prepacked weights, one per local expert, which the
         experts' fused w1/w3 and w2 share; their plain weights become meta. Returns the bytes."""
         st = self.stacked
-        if (self.packed or st is None or "s13" not in st or st["w13"].device.type != "cpu"
-                or st["w13"][0].numel() < min_bytes):
+        if self.packed or st is None or "s13" not in st or not int8pack.worth_packing(st["w13"][0], min_bytes):
             return 0
         local = [self.experts[e] for e in self.local]
         if not self._stacked_current() or any(ex.fused is None for ex in local):
@@ -127,7 +126,7 @@ class MoE(nn.Module):
             int8pack.pack_fused(ex.fused, [ex.w1, ex.w3], min_bytes, packed=p13)
         st["w2"] = [int8pack.pack(w) for w in st["w2"]]  # [D, I] each
         for ex, p2 in zip(local, st["w2"]):
-            ex.w2.packed, ex.w2.weight = [p2], int8pack.meta_like(ex.w2.weight)
+            ex.w2.adopt([p2])
         self.packed = True
         return total
 

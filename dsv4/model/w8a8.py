@@ -45,7 +45,6 @@ class QuantLinear(nn.Module):
     unsplit product's."""
 
     row_parallel = False
-    pack_groups = 1  # `grouped` callers (attention's wo_a) set their G: packing keeps one weight per group
 
     def __init__(self, n_in: int, n_out: int, device: torch.device | str | None = None):
         super().__init__()
@@ -73,17 +72,21 @@ class QuantLinear(nn.Module):
         outs = [kernels.w8a8_linear(x[:, g], ws[g], self.scale[g * O:(g + 1) * O]) for g in range(G)]
         return torch.stack(outs, dim=1)
 
-    def pack_int8(self, min_bytes: int) -> int:
-        """Hold the weight prepacked for oneDNN (`int8pack.pack_model`), one per `pack_groups`
-        rows, when it lives on the CPU and has at least `min_bytes`; the plain buffer becomes
-        meta. Returns the bytes packed."""
-        w, G = self.weight, self.pack_groups
-        if self.packed is not None or w.device.type != "cpu" or w.numel() < min_bytes:
+    def pack_int8(self, min_bytes: int, groups: int = 1) -> int:
+        """Hold the weight prepacked for oneDNN (`int8pack.pack_model`), one per `groups` of
+        rows (`grouped`'s G: its owner packs it first), when it is worth it
+        (`int8pack.worth_packing`). Returns the bytes packed."""
+        w = self.weight
+        if self.packed is not None or not int8pack.worth_packing(w, min_bytes):
             return 0
-        O = w.shape[0] // G
-        self.packed = [int8pack.pack(w[g * O:(g + 1) * O]) for g in range(G)]
-        self.weight = int8pack.meta_like(w)
+        O = w.shape[0] // groups
+        self.adopt([int8pack.pack(w[g * O:(g + 1) * O]) for g in range(groups)])
         return w.numel()
+
+    def adopt(self, packed: list[torch.Tensor]) -> None:
+        """Multiply by `packed` (this weight prepacked, whole or per group) from now on; the
+        plain buffer becomes meta (`int8pack.meta_like`)."""
+        self.packed, self.weight = packed, int8pack.meta_like(self.weight)
 
     def packed_weights(self) -> list[torch.Tensor]:
         return self.packed or []
