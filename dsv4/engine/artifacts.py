@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import parallel
+from ..model import int8pack, parallel
 from ..model.model import DeepseekV4
 from ..model.state import Batch, ModelState
 from ..private_paths import PathError, check_private_dir
@@ -128,12 +128,18 @@ def _tensor_attrs(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def model_signature(model: DeepseekV4) -> str:
-    """What compiled code of `model` depends on, without weight values: its config and the
-    name, shape, stride and dtype of every tensor it holds (sha256 hex)."""
+    """What compiled code of `model` depends on, without weight values: its config, the
+    name, shape, stride and dtype of every tensor it holds, and for int8 weights on the CPU
+    how this process multiplies them (`int8pack.cpu_saturates`: a traced step bakes in the
+    split product or the plain one, and oneDNN's ISA can be held lower by ONEDNN_MAX_CPU_ISA
+    than inductor's, which `cpu_isa` reads) (sha256 hex)."""
     cfg = model.cfg
     body = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else repr(cfg)
-    sig = {k: _sig(v) for k, v in sorted(_tensor_attrs(model).items())}
-    return hashlib.sha256(json.dumps([body, sig], sort_keys=True, default=repr).encode()).hexdigest()
+    attrs = _tensor_attrs(model)
+    sig = {k: _sig(v) for k, v in sorted(attrs.items())}
+    int8 = model.embed.weight.device.type == "cpu" and any(t.dtype == torch.int8 for t in attrs.values())
+    kernel = ("split" if int8pack.cpu_saturates() else "int_mm") if int8 else ""
+    return hashlib.sha256(json.dumps([body, sig, kernel], sort_keys=True, default=repr).encode()).hexdigest()
 
 
 def artifact_key(model: DeepseekV4, state: ModelState, kind: str, n: int, model_sig: str | None = None) -> str:
