@@ -105,6 +105,7 @@ SETTING_FLAGS = {
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
+    "draft_vocab": "--draft-vocab",
 }
 
 

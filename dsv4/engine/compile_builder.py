@@ -93,7 +93,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     model = load_model(config.model, device=config.device, dtype=config.torch_dtype,
-                       quantization=config.quantization)
+                       quantization=config.quantization, draft_vocab=config.draft_vocab_ids)
     # the same state shapes as the engine's runner: a package is keyed by them
     runner = Runner.for_config(model, config, torch.device(config.device), scratch_slot=True)
     steps = CompiledSteps.for_config(model, runner.state, config, private_cache_dir())

@@ -7,6 +7,7 @@ flag maps to one field:
     --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
     --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
     --num-speculative-tokens --seed --profile --quantization --compile/--no-compile
+    --draft-vocab
 
 Defaults that depend on the checkpoint are resolved when the config is built, so the
 fields of a built config always hold concrete values (except `profile_dir`):
@@ -26,6 +27,8 @@ fields of a built config always hold concrete values (except `profile_dir`):
   request at max_model_len is refused, naming the bytes;
 * `quantization` None -> as the checkpoint is stored: "w8a8" for a `dsv4 convert`
   output, else "none".
+* `draft_vocab` None or "auto" -> the checkpoint's `draft_vocab.json` when it has one, else
+  "off"; a file is read and checked here (`draft_vocab_ids`; only when speculation is on).
 * `tensor_parallel_size` None -> WORLD_SIZE under torchrun (`launch`, see engine/launch.py),
   else 1; `plan_transport` "auto" -> "shm" when every rank is on this host, else "object".
 
@@ -42,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.config import ConfigError, ModelConfig, block_entry_bytes, state_block_size
+from dsv4 import draft_vocab
 
 from .checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
@@ -83,6 +87,7 @@ class EngineConfig:
     compile: bool | str = False
     kv_cache_memory: int | float | str | None = None  # --kv-cache-memory; built: bytes of the block pool
     enable_prefix_caching: bool = True
+    draft_vocab: str | None = None  # --draft-vocab: auto, off or a file; built: the file's absolute path or "off"
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -90,6 +95,7 @@ class EngineConfig:
     launch: Launch | None = field(init=False, repr=False, compare=False)  # torchrun's variables, if set
     block_size: int = field(init=False, compare=False)  # positions per block of compressed state
     kv_cache_blocks: int = field(init=False, compare=False)  # blocks in the pool
+    draft_vocab_ids: list[int] | None = field(init=False, repr=False, compare=False)  # the MTP's tokens (None: all)
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -158,6 +164,7 @@ class EngineConfig:
             raise EngineConfigError(f"--num-speculative-tokens {k} exceeds the MTP depth {self.mtp_depth} "
                                     f"of this checkpoint; use --num-speculative-tokens {self.mtp_depth} or less")
         set_("num_speculative_tokens", k)
+        self._read_draft_vocab()
 
         # Prefill limit and step budget.
         plimit = mc.prefill_limit if self.prefill_limit is None else self.prefill_limit
@@ -209,6 +216,19 @@ class EngineConfig:
                 f"{lim} of deepseek_v4; enable chunked prefill or lower --max-model-len to {lim}")
         set_("max_model_len", mml)
         self._size_pool()
+
+    def _read_draft_vocab(self) -> None:
+        """--draft-vocab -> `draft_vocab` (a path or "off") and its checked ids (module docstring)."""
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        try:
+            path = draft_vocab.resolve(self.draft_vocab, self.model)
+            ids = (draft_vocab.read(path, self.model_config.vocab_size)
+                   if path is not None and self.num_speculative_tokens > 0 else None)
+        except draft_vocab.DraftVocabError as e:
+            hint = "" if str(e).startswith("--draft-vocab") else "; give another --draft-vocab, or --draft-vocab off"
+            raise EngineConfigError(f"{e}{hint}") from None
+        set_("draft_vocab", str(path) if path is not None else "off")
+        set_("draft_vocab_ids", ids)
 
     def _size_pool(self) -> None:
         """Resolve the block pool (module docstring); refuse one that cannot hold a request at
@@ -295,7 +315,9 @@ class EngineConfig:
             + (" (single dispatch)" if self.single_dispatch else ""),
             (f"speculative tokens K = auto (0..{self.num_speculative_tokens}, chosen from measured step costs "
              f"and acceptance)" if self.speculative_auto else f"speculative tokens K = {self.num_speculative_tokens}")
-            + f" (MTP weights: {'yes' if self.has_mtp else 'no'})",
+            + f" (MTP weights: {'yes' if self.has_mtp else 'no'})"
+            + (f"; drafts from {len(self.draft_vocab_ids)} of {self.model_config.vocab_size} tokens "
+               f"({self.draft_vocab})" if self.draft_vocab_ids is not None else ""),
             f"CPU threads {self.threads}; default sampling "
             + (", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()) + " (generation_config.json)"
                if self.sampling_defaults else "greedy (no generation_config.json)"),

@@ -124,7 +124,7 @@ class Engine:
             # asks for compiled steps, which read plain weights
             self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
                                     quantization=config.quantization, progress=progress, world=T,
-                                    pack=config.compile is not True)
+                                    pack=config.compile is not True, draft_vocab=config.draft_vocab_ids)
         except BaseException:
             if self.ranks is not None:
                 self.ranks.close()

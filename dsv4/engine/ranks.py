@@ -112,7 +112,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     from .spec_policy import SpecPolicy
 
     model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
-                       rank=rank, world=config.tensor_parallel_size)
+                       rank=rank, world=config.tensor_parallel_size, draft_vocab=config.draft_vocab_ids)
     gather_weight_bytes(model)
     # auto K: a policy of its own only so that this runner takes the same code paths as rank 0's
     # (fewer drafts than a row's tokens; the calibration's dispatches, collectives included);

@@ -245,7 +245,7 @@ class Runner:
         z, logits = self._mtp_forward(batch, hid, head_idx)
         t_host = self._clock(wait=timed)
         if any(r.grammar is not None for r in heads):  # structured outputs: drafts the grammar allows
-            logits = draft_masks(logits, heads, drafts)
+            logits = self._outside_vocab(draft_masks(logits, heads, drafts), z, head_idx, heads, drafts)
         outs = [[] if r.params.greedy and not r.params.penalized else r.output_ids + results[r.slot].tokens + drafts.get(r.slot, [])
                 for r in heads]  # greedy drafts read neither history nor position
         pos = [r.num_prompt_tokens + len(o) for r, o in zip(heads, outs)]
@@ -255,6 +255,24 @@ class Runner:
             self.policy.draft_host.observe(len(heads), dt := time.perf_counter() - t_host)
             self.modelled += t_host - t + dt
         return z, top, qs
+
+    def _outside_vocab(self, logits: torch.Tensor, z: torch.Tensor, head_idx: torch.Tensor | None,
+                       heads: list[Request], drafts: dict[int, list[int]]) -> torch.Tensor:
+        """Masked draft logits [N, V] where a grammar allows no token of the draft vocabulary
+        (a draft vocabulary's rows are -inf outside it): those rows again through the whole
+        head, masked. Tensor parallel ranks keep them (the head's all-gather would need every
+        rank): such a row drafts a token its grammar refuses, which verification rejects."""
+        if self.model.draft_vocab_size is None or parallel.world_size() > 1:
+            return logits
+        empty = [i for i, r in enumerate(heads) if r.grammar is not None]
+        empty = [i for i, ok in zip(empty, torch.isfinite(logits[empty]).any(dim=-1).tolist()) if not ok]
+        if not empty:
+            return logits
+        rows = (z if head_idx is None else z[head_idx])[empty]  # [E, hc, D]
+        full = draft_masks(self.model.mtp_logits(rows, draft=False), [heads[i] for i in empty], drafts)
+        logits = logits.clone()
+        logits[empty] = full
+        return logits
 
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
         """Keep pairs (h_t, x_{t+1}) from t0 on for a later catch-up instead of running the MTP;

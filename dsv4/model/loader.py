@@ -64,7 +64,7 @@ def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                quantization: str | None = None, progress: Callable[[int, int], None] | None = None,
                fuse: bool = True, counts: RowCounts | None = None, rank: int = 0, world: int = 1,
-               pack: bool = False) -> DeepseekV4:
+               pack: bool = False, draft_vocab: list[int] | None = None) -> DeepseekV4:
     """Load a checkpoint directory (config.json + *.safetensors, official names).
 
     `quantization`: "none" (weights in `dtype`), "w8a8" (see `w8a8.py`), or None = as the
@@ -75,7 +75,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     rank `rank`'s part of the tensor-parallel layout (`sharding.shard_model`) and only
     that part is read from the files; the collectives need `parallel.init` first. `pack`
     (w8a8 on the CPU, one rank): the int8 weights are prepacked for oneDNN's int8 matmul
-    where that is exact on this CPU (`int8pack.pack_model`); such a model serves eager only."""
+    where that is exact on this CPU (`int8pack.pack_model`); such a model serves eager only.
+    `draft_vocab` (token ids, `draft_vocab.read`): the MTP drafts only these tokens
+    (`DeepseekV4.restrict_draft_vocab`)."""
     cfg = ModelConfig.from_dir(path)
     ck = Checkpoint(path)
     quantization = resolve_quantization(quantization, ck.quantization, str(path))
@@ -109,6 +111,8 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
                               f"--dtype{hint}") from None
     check_tid2eid(model.state_dict(), cfg.n_routed_experts)
     model.make_rope_tables(dev)
+    if draft_vocab is not None and model.has_mtp:
+        model.restrict_draft_vocab(draft_vocab)
     if quantization == "w8a8" and model.has_mtp:
         model.quantize_draft_head()
     if pack and quantization == "w8a8" and dev.type == "cpu" and world == 1:

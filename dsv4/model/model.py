@@ -88,8 +88,10 @@ class DeepseekV4(nn.Module):
         if with_mtp is None:
             with_mtp = cfg.num_nextn_predict_layers > 0
         self.mtp = nn.ModuleList([MTPBlock(cfg)]) if with_mtp else None
-        # the head's int8 rows "weight" [V, D] and float32 "scale" [V], for the MTP's drafts
-        # (quantize_draft_head; a dict: compiled-step packages find its tensors by name)
+        # the MTP's own head, when it has one: the head's int8 rows "weight" [V, D] and float32
+        # "scale" [V] (quantize_draft_head), and/or only the rows of a draft vocabulary, with
+        # their local token ids "ids" [V'] (restrict_draft_vocab); a dict: compiled-step
+        # packages find its tensors by name
         self.draft_head: dict[str, torch.Tensor] | None = None
         self.make_rope_tables()
 
@@ -113,28 +115,49 @@ class DeepseekV4(nn.Module):
 
     def quantize_draft_head(self, rows: int = 1024) -> int:
         """W8A8 inference: the MTP drafts through an int8 copy of the head (per-row scales;
-        `kernels.draft_linear`): a draft reads half the head's bytes,
+        `kernels.draft_linear`), or of its draft-vocabulary rows (`restrict_draft_vocab`, called
+        first): a draft reads half the head's bytes,
         most of what it reads (V4 Flash: 1.06 GB of bf16 head against ~0.3 GB of int8 MTP
         layer). Drafts are proposals: verification keeps the exact head, so the text still
         follows the main model alone (greedy: the same tokens; sampled: the target's
         distribution, with q the drafts' own). Quantised `rows` at a time (no float32 copy
-        of the whole head). Returns the bytes added."""
-        w = self.head.weight.detach()  # [V, D] (this rank's vocabulary slice under TP)
+        of the whole head). Returns the bytes of the draft head."""
+        kept = dict(self.draft_head or {})
+        w = kept.pop("weight", self.head.weight).detach()  # [V, D] (this rank's vocabulary slice under TP)
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         sc = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
         for lo in range(0, w.shape[0], rows):
             q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(w[lo:lo + rows])
-        self.draft_head = {"weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
+        self.draft_head = {**kept, "weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
+
+    def restrict_draft_vocab(self, token_ids: list[int] | torch.Tensor) -> int:
+        """Drafts propose only `token_ids` (a draft vocabulary, `dsv4/draft_vocab.py`): the draft
+        head is a copy of those rows of the head, with their ids "ids" [V'], and the MTP's
+        logits elsewhere are -inf. Under tensor parallelism each rank keeps the ids of its
+        vocabulary slice. Call it before `quantize_draft_head` (which then quantises only
+        these rows). Returns this rank's draft rows."""
+        if self.draft_head is not None:
+            raise RuntimeError("restrict the draft vocabulary before quantising or packing the draft head")
+        w = self.head.weight
+        n = w.shape[0]  # this rank's vocabulary slice [lo, lo + n) (an even split, sharding.Shard)
+        lo = parallel.rank() * n if parallel.world_size() > 1 else 0
+        ids = torch.as_tensor(token_ids, dtype=torch.long).unique()  # sorted: the head's rows in order
+        local = (ids[(ids >= lo) & (ids < lo + n)] - lo).to(w.device)
+        with torch.no_grad():
+            self.draft_head = {"weight": w.detach().index_select(0, local), "ids": local}
+        return local.numel()
 
     def pack_int8(self, min_bytes: int) -> int:
         """`int8pack.pack_model`: the MTP's int8 copy of the head prepacked for oneDNN (in
         place of the plain one and its bf16 scales), when it lives on the CPU and has at least
         `min_bytes`. Returns the bytes packed."""
         head = self.draft_head
-        if head is None or "weight" not in head or not int8pack.worth_packing(head["weight"], min_bytes):
+        if (head is None or "weight" not in head or head["weight"].dtype != torch.int8
+                or not int8pack.worth_packing(head["weight"], min_bytes)):
             return 0
-        self.draft_head = {"packed": int8pack.pack(head["weight"]), "scale": head["scale"]}
+        kept = {k: v for k, v in head.items() if k in ("scale", "ids")}
+        self.draft_head = {"packed": int8pack.pack(head["weight"]), **kept}
         return head["weight"].numel()
 
     def packed_weights(self) -> list[torch.Tensor]:
@@ -160,7 +183,14 @@ class DeepseekV4(nn.Module):
         """[N, hc, D] streams -> [N, vocab] float32 logits (`draft`: through `draft_head` if made)."""
         y = norm(hc_head(h, fn, base, scale, self.cfg))
         if draft and self.draft_head is not None:
-            return parallel.all_gather(f32(kernels.draft_linear(y, self.draft_head)))
+            ids = self.draft_head.get("ids")
+            if ids is None:
+                return parallel.all_gather(f32(kernels.draft_linear(y, self.draft_head)))
+            # a draft vocabulary: its rows' logits [N, V'] in place, -inf elsewhere [N, vocab]
+            out = torch.full((y.shape[0], self.head.weight.shape[0]), float("-inf"), device=y.device)
+            if ids.numel():
+                out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head)))
+            return parallel.all_gather(out)
         return parallel.all_gather(f32(linear(y, self.head.weight)))  # each rank's vocabulary slice
 
     # ---------------------------------------------------------------- stateful
@@ -198,7 +228,19 @@ class DeepseekV4(nn.Module):
         z = mtp.e_proj(e).unsqueeze(1) + mtp.h_proj(mtp.hnorm(hidden))  # [T, hc, D]
         z = mtp(z, batch, state.mtp if state is not None else None, self.rope_main)
         sel = z if logits_index is None else z[logits_index]
-        return z, self._logits(sel, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm, draft=True)
+        return z, self.mtp_logits(sel)
+
+    def mtp_logits(self, z: torch.Tensor, draft: bool = True) -> torch.Tensor:
+        """The MTP's streams [N, hc, D] -> its logits [N, vocab]: through its draft head
+        (`draft`, the default), or through the main model's head over the whole vocabulary."""
+        mtp: MTPBlock = self.mtp[0]
+        return self._logits(z, mtp.hc_head_fn, mtp.hc_head_base, mtp.hc_head_scale, mtp.norm, draft=draft)
+
+    @property
+    def draft_vocab_size(self) -> int | None:
+        """Tokens the drafts may propose on this rank (`restrict_draft_vocab`); None: every one."""
+        ids = (self.draft_head or {}).get("ids")
+        return None if ids is None else ids.numel()
 
     # ---------------------------------------------------------------- stateless
     @torch.inference_mode()

@@ -1,6 +1,6 @@
 """The engine at --tensor-parallel-size 2 (rank 0 here, rank 1 spawned, gloo on CPU):
 greedy output with MTP K = 1 and 2 across prefill chunk boundaries equals the single
-process token for token (none and w8a8), with auto K (any K sequence) equals K = 0 (a
+process token for token (none and w8a8), and so do the drafts through a draft vocabulary, with auto K (any K sequence) equals K = 0 (a
 seeded sampled request too: its draws are keyed by position, not by rank or K), and at --tensor-parallel-size 4 (on the tiny
 config's `TP4` variant) with K = 1; a killed rank fails the step and leaves no process
 behind (nor anything in /dev/shm), and rank 0's rendezvous store no longer listens once
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import itertools
+import json
 import os
 import signal
 import time
@@ -34,17 +35,18 @@ def _prompts():
     return [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (5, 37, 70)]
 
 
-def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GEN, schedule: list[int] | None = None
-         ) -> list[list[int]]:
+def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GEN, schedule: list[int] | None = None,
+         spec: bool = False, **kw) -> list:
+    """Each request's tokens (with `spec`: (tokens, its spec metrics))."""
     with LLM(tiny_checkpoint, tensor_parallel_size=T, num_speculative_tokens=K, max_num_seqs=3, max_model_len=128,
-             prefill_limit=16, quantization=quantization) as llm:
+             prefill_limit=16, quantization=quantization, **kw) as llm:
         if schedule is not None:  # auto K: rank 0's policy follows `schedule` (cycled)
             ks = itertools.cycle(schedule)
             llm.engine.policy.choose = lambda batch, sampled=0: next(ks)
         greedy = SamplingParams(max_tokens=gen, ignore_eos=True)
         seeded = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         outs = llm.generate(_prompts() + _prompts()[1:2], [greedy] * 3 + [seeded])
-    return [c.token_ids for c in outs]
+    return [(c.token_ids, c.metrics["spec"]) if spec else c.token_ids for c in outs]
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +75,24 @@ def test_two_ranks_generate_what_one_does(tiny_checkpoint, dense_checkpoint, qua
             model = load_model(ckpt, quantization="w8a8")
             greedy = slice(0, 3)  # the greedy rows
             assert_chains_agree(out[greedy], ref[greedy], _prompts(), model, dense_checkpoint[1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_draft_vocabulary_at_two_ranks_drafts_what_one_rank_does(tiny_checkpoint, tmp_path):
+    """Each rank keeps the draft tokens of its vocabulary slice (the set spans both): the
+    drafts and what they accept are the single process's, and the text is K = 0's."""
+    ids = torch.randperm(4096, generator=torch.Generator().manual_seed(0))[:1500].tolist()
+    path = tmp_path / "dv.json"
+    path.write_text(json.dumps({"format": "dsv4-draft-vocab", "version": 1, "vocab_size": 4096, "token_ids": ids}))
+    threads = torch.get_num_threads()
+    try:
+        ref = _run(tiny_checkpoint, 1, 0, "none")
+        one = _run(tiny_checkpoint, 1, 2, "none", draft_vocab=str(path), spec=True)
+        two = _run(tiny_checkpoint, 2, 2, "none", draft_vocab=str(path), spec=True)
+        assert [t for t, _ in one] == [t for t, _ in two] == ref
+        assert [s for _, s in one] == [s for _, s in two]
+        assert sum(s["drafted"] for _, s in two) > 0
     finally:
         torch.set_num_threads(threads)
 

@@ -1,6 +1,6 @@
 """Rejection sampling of drafts drawn from the drafter's own distribution q (`verify_sampled`
 with q): the emitted tokens keep the target's distribution on a small vocabulary for K = 1..3,
-including q and p with zeros, one-hot q, top-k 1 and near-zero temperature targets; a q that
+including q and p with zeros, q zero outside a draft vocabulary, one-hot q, top-k 1 and near-zero temperature targets; a q that
 cannot have produced its draft (no mass there, NaN, inf, negative) is read as one-hot.
 
 Each distribution case runs 2000 speculative generations of two tokens (about 0.3 s)."""
@@ -28,6 +28,8 @@ def _toy_tables(v: int, k: int, seed: int, p_kw: dict, q_kw: dict) -> tuple[torc
     x = 1.5 * torch.randn((k + 2) * v, v, generator=g)
 
     def table(x: torch.Tensor, kw: dict) -> torch.Tensor:
+        if "vocab" in kw:  # a draft vocabulary: the drafter's logits are -inf outside it
+            x = torch.full_like(x, float("-inf")).index_copy(1, torch.tensor(kw["vocab"]), x[:, kw["vocab"]])
         n = x.shape[0]
         t = lambda name, dflt, dt=torch.float32: torch.full((n,), kw.get(name, dflt), dtype=dt)  # noqa: E731
         return logits_to_probs(x, t("temperature", 1.0), t("top_k", 0, torch.long), t("top_p", 1.0),
@@ -85,6 +87,9 @@ SAMPLED_DRAFT_CASES = {  # name: (K, target parameters, drafter parameters)
     "top-k-1-target": (3, dict(top_k=1), dict(min_p=0.1)),
     "near-zero-temperature-target": (2, dict(temperature=1e-5), dict(temperature=1.0)),
     "one-hot-q": (1, dict(temperature=0.7), dict(top_k=1)),
+    # q zero outside a draft vocabulary (--draft-vocab), where p has mass: K = 1..3
+    "draft-vocabulary-k1": (1, dict(temperature=0.8, top_p=0.95), dict(temperature=0.8, top_p=0.95, vocab=[0, 2, 3, 5])),
+    "draft-vocabulary-k3": (3, dict(temperature=1.0), dict(temperature=1.0, vocab=[1, 4, 6])),
 }
 
 
