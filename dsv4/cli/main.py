@@ -1,4 +1,4 @@
-"""The `dsv4` command: serve, run, status, stop, bench, convert.
+"""The `dsv4` command: serve, run, chat, status, stop, bench, convert, draft-vocab.
 
 `main()` is the console entry point. It maps every failure to one stderr line and an
 exit status (0 ok, 1 error, 2 usage, 69 daemon unreachable, 75 timeout, 130
@@ -26,6 +26,7 @@ from dsv4 import __version__
 from dsv4.cli import options as O
 from dsv4.cli.bench import bench
 from dsv4.cli.chat import chat
+from dsv4.cli.draft_vocab import draft_vocab
 from dsv4.cli.run import run
 from dsv4.cli.options import CliError
 from dsv4.daemon.paths import resolve_endpoint
@@ -67,7 +68,7 @@ def serve(
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
     compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
-    enable_prefix_caching: O.PrefixCaching = None,
+    enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None,
     nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
     http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None,
@@ -85,6 +86,7 @@ def serve(
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
                          kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
+                         draft_vocab=draft_vocab,
                          tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     if detach and O.under_torchrun():
@@ -211,6 +213,11 @@ def convert(
     finally:
         progress.close()
     O.err(f"dsv4: wrote {dst} ({quantization}; {counts})")
+
+
+app.command("draft-vocab", short_help="Write the MTP's draft vocabulary from text.",
+            help="Rank the tokens of TEXT by frequency and write the MTP's draft vocabulary to --out "
+                 "(serve with --draft-vocab FILE, or name it draft_vocab.json in the checkpoint).")(draft_vocab)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -158,6 +158,11 @@ Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
          "[default: as the checkpoint is stored]")]
+DraftVocab = Annotated[Optional[str], typer.Option(
+    "--draft-vocab", metavar="FILE", rich_help_panel=ENGINE_PANEL,
+    help="MTP drafts propose only the tokens of FILE (written by 'dsv4 draft-vocab'): a smaller draft head "
+         "to read, the same output; auto = the checkpoint's draft_vocab.json if it has one, off = every "
+         "token [default: auto]")]
 Compile = Annotated[Optional[bool], typer.Option(
     "--compile/--no-compile", rich_help_panel=ENGINE_PANEL, show_default=False,
     help="Compile the decode steps per bucket of token counts at startup (minutes on a small CPU when "
@@ -203,6 +208,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
+    "draft_vocab": "--draft-vocab",
 }
 
 

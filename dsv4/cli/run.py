@@ -82,6 +82,7 @@ def run(
     num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None, threads: O.Threads = None,
     quantization: O.Quantization = None, compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, tensor_parallel_size: O.TensorParallel = None,
+    draft_vocab: O.DraftVocab = None,
 ) -> None:
     local = local or O.under_torchrun()  # under torchrun every process is a rank of one engine
     engine = O.local_engine_kwargs(
@@ -90,7 +91,7 @@ def run(
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
         profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
         kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-        tensor_parallel_size=tensor_parallel_size)
+        tensor_parallel_size=tensor_parallel_size, draft_vocab=draft_vocab)
     if raw and (system is not None or think or tools is not None):
         raise CliError("--system, --think and --tools need the chat template; drop --raw", O.EXIT_USAGE)
     tool_list, choice = O.read_tool_options(tools, tool_choice)

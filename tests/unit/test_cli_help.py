@@ -37,9 +37,9 @@ def _man_sections() -> dict[str, list[str]]:
         m = re.match(r'\.SH\s+"?([^"]+)"?', line)
         if m:
             current = f"SH {m.group(1).strip()}"
-        m = re.match(r'\.SS\s+"dsv4 (\w+)"', line)
+        m = re.match(r'\.SS\s+"dsv4 ((?:\w|\\-)+)"', line)  # e.g. "dsv4 draft\-vocab"
         if m:
-            current = m.group(1)
+            current = m.group(1).replace("\\-", "-")
         sections.setdefault(current, []).append(line)
     return sections
 

@@ -1,0 +1,93 @@
+"""`dsv4 draft-vocab TEXT... --out FILE`: the MTP's draft vocabulary from text.
+
+Tokenises the text files with the model's tokenizer, keeps the `--size` most frequent
+tokens (the model's special tokens first) and writes them as a draft vocabulary
+(`dsv4/draft_vocab.py`), which `--draft-vocab FILE` then serves with, or which serves by
+default when it is the checkpoint's `draft_vocab.json`. Reports the share of the text's
+tokens the set covers, and the sizes other coverages would take; `--heldout` files
+measure coverage on text the ranking did not see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dsv4.cli import options as O
+from dsv4.cli.options import CliError
+
+MAX_TEXT_BYTES = 1 << 30  # per file: read whole, so that tokens never split at a chunk edge
+
+
+def _texts(paths: list[Path], tok, flag: str) -> list[list[int]]:
+    out = []
+    for p in paths:
+        try:
+            if p.stat().st_size > MAX_TEXT_BYTES:
+                raise CliError(f"{flag} {p}: over {MAX_TEXT_BYTES >> 30} GiB; split it into smaller files", O.EXIT_USAGE)
+            text = p.read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"{flag} {p}: {e.strerror or e}", O.EXIT_USAGE) from None
+        except UnicodeDecodeError as e:
+            raise CliError(f"{flag} {p}: not UTF-8 text ({e.reason} at byte {e.start})", O.EXIT_USAGE) from None
+        out.append(tok.encode(text))
+    return out
+
+
+def _names(paths: list[Path], most: int = 5) -> str:
+    names = ", ".join(p.name for p in paths[:most])
+    return names + (f" and {len(paths) - most} more" if len(paths) > most else "")
+
+
+def draft_vocab(
+    texts: Annotated[list[Path], typer.Argument(metavar="TEXT...", show_default=False,
+                                                help="UTF-8 text files like what the model will generate.")],
+    out: Annotated[Path, typer.Option("--out", metavar="FILE", show_default=False,
+                                      help="Where to write the draft vocabulary (JSON); name it draft_vocab.json "
+                                           "in the checkpoint directory to serve with it by default.")],
+    model: O.Model = None,
+    size: Annotated[Optional[int], typer.Option(
+        "--size", metavar="N", callback=O.int_range(1),
+        help="Tokens to keep [default: a quarter of the vocabulary]")] = None,
+    heldout: Annotated[Optional[list[Path]], typer.Option(
+        "--heldout", metavar="FILE", help="Also report the coverage of this text (repeatable).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+) -> None:
+    """Rank the tokens of TEXT by frequency and write the MTP's draft vocabulary to --out."""
+    from dsv4 import DEFAULT_MODEL
+    from dsv4 import draft_vocab as dv
+    from dsv4.config import ModelConfig
+    from dsv4.engine.tokenizer import Tokenizer
+
+    model_dir = Path(model) if model is not None else DEFAULT_MODEL
+    if out.exists() and not force:
+        raise CliError(f"--out {out} exists; give --force to replace it", O.EXIT_USAGE)
+    cfg = ModelConfig.from_dir(model_dir)
+    tok = Tokenizer.from_dir(model_dir)
+    n = cfg.vocab_size // 4 if size is None else size
+    ranked = _texts(texts, tok, "TEXT")
+    always = sorted(set(tok.special_token_ids()) | {cfg.eos_token_id} - {None})
+    try:
+        data = dv.build(ranked, cfg.vocab_size, n, source=_names(texts), always=always)
+    except dv.DraftVocabError as e:
+        raise CliError(f"--size: {e}", O.EXIT_USAGE) from None
+    if heldout:
+        data["heldout_coverage"] = dv.coverage(data["token_ids"], _texts(heldout, tok, "--heldout"))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(data) + "\n", encoding="utf-8")
+        tmp.replace(out)  # whole or not at all
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CliError(f"--out {out}: {e.strerror or e}") from None
+    total = data["counted_tokens"]
+    sizes = ", ".join(f"{float(k):.0%} {v}" for k, v in data["size_for_coverage"].items())
+    cov = f"{100 * data['coverage']:.1f}% of the {total} tokens counted" if total else "no tokens counted"
+    held = (f"; {100 * data['heldout_coverage']:.1f}% of --heldout" if data.get("heldout_coverage") is not None
+            else "")
+    O.err(f"dsv4: wrote {out}: {n} of {cfg.vocab_size} tokens, covering {cov}{held}"
+          + (f" (tokens needed to cover {sizes})" if sizes else ""))
