@@ -141,7 +141,30 @@ def _timed(fn, reps: int) -> float:
     return best
 
 
-def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool = False) -> dict:
+def _draft_ids(spec: str, vocab: int) -> list[int]:
+    """--draft-vocab: a draft vocabulary file, or N = N token ids drawn at random (seed 0; the
+    slice has random weights and no tokenizer, so which tokens does not matter for timing)."""
+    if spec.isdigit():
+        return torch.randperm(vocab, generator=torch.Generator().manual_seed(0))[:int(spec)].tolist()
+    from dsv4.draft_vocab import read
+    return read(spec, vocab)
+
+
+def _restricted_draft(model, ids: list[int], quantization: str) -> None:
+    """The model's draft head rebuilt over `ids` as the loader builds it (restricted, then
+    quantised and packed under w8a8)."""
+    from dsv4.model import int8pack
+
+    model.draft_head = None
+    model.restrict_draft_vocab(ids)
+    if quantization.startswith("w8a8"):
+        model.quantize_draft_head()
+    if quantization == "w8a8":
+        model.pack_int8(int8pack.MIN_BYTES)
+
+
+def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool = False,
+        draft_vocab: str | None = None) -> dict:
     from benchmarks.run import copy_bandwidth
     from dsv4.model import int8pack
     from dsv4.model.loader import load_model
@@ -194,11 +217,17 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
             state.rollback(1, ctx, mtp_length=0)
 
         tm = _timed(draft, reps)
+        tm_dv = {}
+        for spec in (draft_vocab or "").split(","):  # the same draft through a draft vocabulary's head
+            if spec:
+                _restricted_draft(model, _draft_ids(spec, cfg.vocab_size), quantization)
+                tm_dv[spec] = _timed(draft, reps)
         comp = _compiled_times(model, state, ctx, B, reps) if compile else {}
     bw = copy_bandwidth("cpu")
     return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total, "layer_bytes": total - outer,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss": _rss(),
             "step_bytes": step_bytes, "bandwidth": bw, "t1": t1, "t4": t4, "t2": t2, "t_mtp": tm,
+            "t_mtp_dv": tm_dv,
             "n_moe_layers": n_moe, "packed_bytes": packed, **comp}
 
 
@@ -343,7 +372,7 @@ def hf_arm(model_dir: Path, dtype: str, reps: int) -> dict:
             "transformers": transformers.__version__}
 
 
-def report(rows: list[dict], accept: float) -> str:
+def report(rows: list[dict], accept: float, accept_dv: list[float] | None = None) -> str:
     gib = 2 ** 30
     out = ["| arm | weights GiB (layers) | peak RSS GiB | load s | batch 1 tok/s | batch 4 tok/s | bytes/step GB "
            "| floor ms (at GB/s) | of floor | verify 2 / 1 | MTP draft / step | implied MTP speedup |",
@@ -360,6 +389,18 @@ def report(rows: list[dict], accept: float) -> str:
                    f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | {4 / r['t4']:.2f} "
                    f"| {r['step_bytes'] / 1e9:.2f} | {1e3 * floor:.0f} ({r['bandwidth'] / 1e9:.1f}) "
                    f"| {floor / r['t1']:.0%} | {r['t2'] / r['t1']:.2f} | {r['t_mtp'] / r['t1']:.2f} | {speed:.2f}x |")
+    dv = [r for r in rows if r.get("t_mtp_dv")]
+    if dv:
+        a_dv = [accept] * 99 if accept_dv is None else accept_dv
+        out += ["", f"| arm | draft vocabulary | verify 2 / 1 | MTP draft / step | acceptance | implied MTP speedup |",
+                "|---|---|---|---|---|---|"]
+        for r in dv:
+            v = r["t2"] / r["t1"]
+            out.append(f"| {r['arm']} | all tokens | {v:.2f} | {r['t_mtp'] / r['t1']:.3f} | {accept:.3f} "
+                       f"| {(1 + accept) / (v + r['t_mtp'] / r['t1']):.3f}x |")
+            for (spec, t), a in zip(r["t_mtp_dv"].items(), a_dv):
+                out.append(f"| {r['arm']} | {spec} | {v:.2f} | {t / r['t1']:.3f} | {a:.3f} "
+                           f"| {(1 + a) / (v + t / r['t1']):.3f}x |")
     comp = [r for r in rows if "ct1" in r]
     if comp:
         out += ["", "| arm (--compile) | built in s | batch 1 tok/s | vs eager | batch 4 tok/s | vs eager "
@@ -395,6 +436,11 @@ def main() -> None:
     ap.add_argument("--accept", type=float, default=0.66, help="MTP acceptance (the embedded model's, K = 1)")
     ap.add_argument("--compile", action="store_true",
                     help="also time the main model's compiled decode buckets 1, 2, 4 (built into the cache when cold)")
+    ap.add_argument("--draft-vocab", metavar="N|FILE,...",
+                    help="also time the MTP draft through draft vocabularies' heads: files from 'dsv4 draft-vocab', "
+                         "or N = N random token ids")
+    ap.add_argument("--accept-draft-vocab", type=lambda t: [float(x) for x in t.split(",")], metavar="A,...",
+                    help="MTP acceptance with each draft vocabulary (benchmarks/draft_vocab.py) [default: --accept]")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.make:
@@ -402,18 +448,19 @@ def main() -> None:
         return
     if a.one:
         q, dt = a.one.split(":")
-        print(json.dumps(hf_arm(a.dir, dt, a.reps) if q == "transformers" else arm(a.dir, q, dt, a.reps, a.compile)))
+        print(json.dumps(hf_arm(a.dir, dt, a.reps) if q == "transformers" else arm(a.dir, q, dt, a.reps, a.compile, a.draft_vocab)))
         return
     rows = []
     for spec in a.arms.split(","):
         r = subprocess.run([sys.executable, __file__, "--dir", str(a.dir), "--one", spec, "--reps", str(a.reps)]
-                           + (["--compile"] if a.compile else []), capture_output=True, text=True)
+                           + (["--compile"] if a.compile else [])
+                           + (["--draft-vocab", a.draft_vocab] if a.draft_vocab else []), capture_output=True, text=True)
         if r.returncode != 0:
             print(f"arm {spec} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
             continue
         rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    print(report(rows, a.accept))
+    print(report(rows, a.accept, a.accept_draft_vocab))
 
 
 if __name__ == "__main__":
