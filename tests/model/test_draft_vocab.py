@@ -168,3 +168,26 @@ def test_a_grammar_with_no_token_of_the_set_drafts_through_the_whole_head(ckpt, 
     assert [c.metrics["spec"] for c in got] == [c.metrics["spec"] for c in ref]
     assert sum(c.metrics["spec"]["accepted"] for c in ref) > 0
     assert sum(c.metrics["spec"]["accepted"] for c in bare) == 0
+
+
+def test_a_packed_draft_head_keeps_its_vocabulary(ckpt, monkeypatch):
+    """w8a8 with every int8 weight packed (MIN_BYTES 0): the draft head is the set's rows,
+    packed, and the MTP's logits are the plain restricted head's bit for bit."""
+    from dsv4.model import int8pack
+    from dsv4.model.loader import load_model
+
+    if not int8pack.exact():
+        pytest.skip("oneDNN's packed int8 product is not exact on this CPU: nothing is packed")
+    ids = _half(4096, 3)
+    plain = load_model(ckpt, quantization="w8a8", draft_vocab=ids)
+    monkeypatch.setattr(int8pack, "MIN_BYTES", 0)
+    packed = load_model(ckpt, quantization="w8a8", pack=True, draft_vocab=ids)
+    assert "packed" in packed.draft_head and "weight" not in packed.draft_head
+    assert torch.equal(packed.draft_head["ids"], plain.draft_head["ids"]) and packed.draft_vocab_size == len(ids)
+    x = torch.randint(0, 4096, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        outs = []
+        for m in (plain, packed):
+            hidden, _ = m.forward_batch(Batch.whole(x), None)
+            outs.append(m.mtp_forward(Batch.whole(x), hidden, None)[1])
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0][:, ids]).all()
