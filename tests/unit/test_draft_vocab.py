@@ -109,3 +109,18 @@ def test_engine_config_reads_the_draft_vocabulary_before_the_weights(tmp_path: P
     (d / dv.FILE).write_text("{")  # a broken file of the checkpoint's own fails too, and says how to skip it
     with pytest.raises(EngineConfigError, match="not JSON.*--draft-vocab off"):
         EngineConfig.create(model=str(d))
+
+
+def test_a_detached_daemon_gets_the_file_as_an_absolute_path(tmp_path: Path, monkeypatch) -> None:
+    """`serve --detach` restarts itself in `/`: a relative --draft-vocab is made absolute
+    first; auto and off stay words; a running daemon is compared on the flag."""
+    from dsv4.cli.options import engine_argv, engine_kwargs
+    from dsv4.daemon.process import SETTING_FLAGS
+
+    monkeypatch.chdir(tmp_path)
+    argv = engine_argv(engine_kwargs(draft_vocab="sets/dv.json"))
+    assert argv[argv.index("--draft-vocab") + 1] == str(tmp_path / "sets" / "dv.json")
+    for word in ("auto", "off"):
+        argv = engine_argv(engine_kwargs(draft_vocab=word))
+        assert argv[argv.index("--draft-vocab") + 1] == word
+    assert SETTING_FLAGS["draft_vocab"] == "--draft-vocab"
