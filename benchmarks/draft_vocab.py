@@ -5,7 +5,8 @@
     python benchmarks/draft_vocab.py --sizes 4096 --match DIR:32320,16160   # DIR: DeepSeek V4's tokenizer.json
 
 For each size, the draft vocabulary of the embedded model is built from the training
-texts (`<data>/train/*.txt`, as `dsv4 draft-vocab` builds it) and an engine with K = 1
+texts (`<data>/train/*.txt`, ranked as `dsv4 draft-vocab` ranks them, with the tokenizer's
+three special tokens first) and an engine with K = 1
 decodes held-out prompts (`<data>/heldout`, 256 tokens each): greedy, and at the
 model's default sampling (each prompt with its own seed, the same in every arm, so the
 arms sample alike where their drafts do not matter). Prints each size's share of the

@@ -217,11 +217,12 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
             state.rollback(1, ctx, mtp_length=0)
 
         tm = _timed(draft, reps)
-        tm_dv = {}
+        tm_dv, whole = {}, model.draft_head
         for spec in (draft_vocab or "").split(","):  # the same draft through a draft vocabulary's head
             if spec:
                 _restricted_draft(model, _draft_ids(spec, cfg.vocab_size), quantization)
                 tm_dv[spec] = _timed(draft, reps)
+        model.draft_head = whole  # the compiled steps below: the model as loaded
         comp = _compiled_times(model, state, ctx, B, reps) if compile else {}
     bw = copy_bandwidth("cpu")
     return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total, "layer_bytes": total - outer,

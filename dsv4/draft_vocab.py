@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 FILE = "draft_vocab.json"
 FORMAT = "dsv4-draft-vocab"
+VERSION = 1
 MAX_BYTES = 64 << 20  # a list of ids for any real vocabulary is a few MB
 
 
@@ -43,7 +44,7 @@ def resolve(setting: str | None, model_dir: str | Path) -> Path | None:
     if text == "off":
         return None
     if text == "auto":
-        p = Path(model_dir) / FILE
+        p = Path(model_dir).absolute() / FILE
         return p if p.is_file() else None
     p = Path(text).expanduser()
     if not p.is_file():
@@ -64,8 +65,13 @@ def read(path: str | Path, vocab_size: int) -> list[int]:
         raise DraftVocabError(f"draft vocabulary {p}: {e.strerror or e}") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DraftVocabError(f"draft vocabulary {p}: not JSON ({e})") from None
+    except RecursionError:
+        raise DraftVocabError(f"draft vocabulary {p}: not JSON (nested too deeply)") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise DraftVocabError(f"draft vocabulary {p}: not a {FORMAT} file (write one with 'dsv4 draft-vocab')")
+    if data.get("version", VERSION) != VERSION:
+        raise DraftVocabError(f"draft vocabulary {p}: version {data.get('version')!r} of its format; this dsv4 "
+                              f"reads version {VERSION}")
     ids = data.get("token_ids")
     if not isinstance(ids, list) or not ids:
         raise DraftVocabError(f"draft vocabulary {p}: 'token_ids' must be a non-empty list of token ids")
@@ -84,9 +90,10 @@ def read(path: str | Path, vocab_size: int) -> list[int]:
 
 def build(texts: Iterable[list[int]], vocab_size: int, size: int, source: str = "",
           always: Iterable[int] = ()) -> dict[str, Any]:
-    """The `size` most frequent token ids of the tokenised `texts` (ties: lower id first;
-    tokens never seen fill up in id order; `always` first, e.g. the special tokens), as
-    the file's JSON object with the share of the texts' tokens it covers."""
+    """The `size` most frequent token ids of the tokenised `texts` (an iterable of token
+    lists, read once; ties: lower id first; tokens never seen fill up in id order; `always`
+    first, e.g. the end-of-sequence token), as the file's JSON object with the share of the
+    texts' tokens it covers."""
     if not 1 <= size <= vocab_size:
         raise DraftVocabError(f"a draft vocabulary of {size} tokens: use 1..{vocab_size} (the model's vocabulary)")
     counts: Counter[int] = Counter()
@@ -102,7 +109,7 @@ def build(texts: Iterable[list[int]], vocab_size: int, size: int, source: str = 
     ids = order[:size]
     covered = sum(counts[t] for t in ids)
     by_count = sorted(counts.values(), reverse=True)
-    return {"format": FORMAT, "version": 1, "vocab_size": vocab_size, "size": size,
+    return {"format": FORMAT, "version": VERSION, "vocab_size": vocab_size, "size": size,
             "coverage": round(covered / total, 6) if total else None, "counted_tokens": total,
             "size_for_coverage": {str(s): _size_for(by_count, total, s) for s in (0.9, 0.95, 0.99)} if total else {},
             "source": source, "token_ids": ids}

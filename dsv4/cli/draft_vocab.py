@@ -1,9 +1,10 @@
 """`dsv4 draft-vocab TEXT... --out FILE`: the MTP's draft vocabulary from text.
 
-Tokenises the text files with the model's tokenizer, keeps the `--size` most frequent
-tokens (the model's special tokens first) and writes them as a draft vocabulary
-(`dsv4/draft_vocab.py`), which `--draft-vocab FILE` then serves with, or which serves by
-default when it is the checkpoint's `draft_vocab.json`. Reports the share of the text's
+Tokenises the text files with the model's tokenizer (a piece at a time, counting as it
+goes), keeps the `--size` most frequent tokens (the end-of-sequence token first) and
+writes them as a draft vocabulary (`dsv4/draft_vocab.py`), which `--draft-vocab FILE`
+then serves with, or which serves by default when it is the checkpoint's
+`draft_vocab.json`. Reports the share of the text's
 tokens the set covers, and the sizes other coverages would take; `--heldout` files
 measure coverage on text the ranking did not see.
 """
@@ -13,29 +14,40 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
 from dsv4.cli import options as O
 from dsv4.cli.options import CliError
 
-MAX_TEXT_BYTES = 1 << 30  # per file: read whole, so that tokens never split at a chunk edge
+PIECE_CHARS = 1 << 20  # text is tokenised a piece at a time, cut at blank lines, and counted as it goes
 
 
-def _texts(paths: list[Path], tok, flag: str) -> list[list[int]]:
-    out = []
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of about PIECE_CHARS, cut after a blank line where there is one."""
+    start = 0
+    while start < len(text):
+        end = min(len(text), start + PIECE_CHARS)
+        if end < len(text):
+            cut = text.rfind("\n\n", start, end)
+            end = cut + 2 if cut > start else end
+        yield text[start:end]
+        start = end
+
+
+def _texts(paths: list[Path], tok, flag: str) -> Iterator[list[int]]:
+    """The token ids of each file, a piece at a time (never all of them at once)."""
     for p in paths:
         try:
-            if p.stat().st_size > MAX_TEXT_BYTES:
-                raise CliError(f"{flag} {p}: over {MAX_TEXT_BYTES >> 30} GiB; split it into smaller files", O.EXIT_USAGE)
             text = p.read_text(encoding="utf-8")
         except OSError as e:
             raise CliError(f"{flag} {p}: {e.strerror or e}", O.EXIT_USAGE) from None
         except UnicodeDecodeError as e:
             raise CliError(f"{flag} {p}: not UTF-8 text ({e.reason} at byte {e.start})", O.EXIT_USAGE) from None
-        out.append(tok.encode(text))
-    return out
+        for piece in _pieces(text):
+            yield tok.encode(piece)
+        del text
 
 
 def _names(paths: list[Path], most: int = 5) -> str:
@@ -69,12 +81,15 @@ def draft_vocab(
     cfg = ModelConfig.from_dir(model_dir)
     tok = Tokenizer.from_dir(model_dir)
     n = cfg.vocab_size // 4 if size is None else size
-    ranked = _texts(texts, tok, "TEXT")
-    always = sorted(set(tok.special_token_ids()) | {cfg.eos_token_id} - {None})
-    try:
-        data = dv.build(ranked, cfg.vocab_size, n, source=_names(texts), always=always)
-    except dv.DraftVocabError as e:
-        raise CliError(f"--size: {e}", O.EXIT_USAGE) from None
+    if n > cfg.vocab_size:
+        raise CliError(f"--size {n}: the model has {cfg.vocab_size} tokens", O.EXIT_USAGE)
+    for p in [*texts, *(heldout or [])]:  # before the work: every file is there
+        if not p.is_file():
+            raise CliError(f"{'TEXT' if p in texts else '--heldout'} {p}: no such file", O.EXIT_USAGE)
+    # the end-of-sequence token first (a draft may end the text); the other special tokens
+    # only as often as the text has them (V4's tokenizer marks ~1200 placeholders special)
+    always = [t for t in (cfg.eos_token_id, cfg.bos_token_id) if t is not None]
+    data = dv.build(_texts(texts, tok, "TEXT"), cfg.vocab_size, n, source=_names(texts), always=always)
     if heldout:
         data["heldout_coverage"] = dv.coverage(data["token_ids"], _texts(heldout, tok, "--heldout"))
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")

@@ -228,8 +228,9 @@ def engine_kwargs(**given: Any) -> dict[str, Any]:
     """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset,
     --compile to `compile_default()`. Paths are made absolute (a detached daemon runs in `/`)."""
     kw = {k: (str(v.absolute()) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
-    if kw.get("draft_vocab") not in (None, "auto", "off"):  # a file (a string: auto and off are words)
-        kw["draft_vocab"] = str(Path(kw["draft_vocab"]).expanduser().absolute())
+    if "draft_vocab" in kw:  # a file, made absolute (a string: auto and off are words)
+        word = kw["draft_vocab"].strip()
+        kw["draft_vocab"] = word if word in ("auto", "off") else str(Path(word).expanduser().absolute())
     kw.setdefault("model", str(dsv4.DEFAULT_MODEL))
     if "compile" in given:
         kw.setdefault("compile", compile_default())

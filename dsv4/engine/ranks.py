@@ -59,7 +59,7 @@ def rank_device(device: str, rank: int) -> str:
 def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
     """Every rank's resident weight bytes, in rank order (a collective: all ranks call it once after loading)."""
     tensors = list(model.state_dict().values())
-    extra = (getattr(model, "draft_head", None) or {}).values()  # w8a8: the MTP's int8 copy of the head
+    extra = (getattr(model, "draft_head", None) or {}).values()  # the MTP's own head (int8 copy, draft vocabulary)
     mine = sum(t.numel() * t.element_size() for t in [*tensors, *extra])
     dev = tensors[0].device
     return [int(b) for b in parallel.all_gather(torch.tensor([mine], dtype=torch.float64, device=dev)).tolist()]

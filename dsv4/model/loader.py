@@ -112,7 +112,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     check_tid2eid(model.state_dict(), cfg.n_routed_experts)
     model.make_rope_tables(dev)
     if draft_vocab is not None and model.has_mtp:
-        model.restrict_draft_vocab(draft_vocab)
+        model.restrict_draft_vocab(draft_vocab, rank, world)
     if quantization == "w8a8" and model.has_mtp:
         model.quantize_draft_head()
     if pack and quantization == "w8a8" and dev.type == "cpu" and world == 1:

@@ -30,6 +30,9 @@ from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
 
+DRAFT_ROWS_MULTIPLE = 16  # a draft vocabulary's head rows are padded to this (restrict_draft_vocab)
+
+
 class Block(nn.Module):
     """One transformer block: mHC around attention, then mHC around the MoE."""
 
@@ -131,21 +134,25 @@ class DeepseekV4(nn.Module):
         self.draft_head = {**kept, "weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
 
-    def restrict_draft_vocab(self, token_ids: list[int] | torch.Tensor) -> int:
+    def restrict_draft_vocab(self, token_ids: list[int] | torch.Tensor, rank: int = 0, world: int = 1) -> int:
         """Drafts propose only `token_ids` (a draft vocabulary, `dsv4/draft_vocab.py`): the draft
         head is a copy of those rows of the head, with their ids "ids" [V'], and the MTP's
-        logits elsewhere are -inf. Under tensor parallelism each rank keeps the ids of its
-        vocabulary slice. Call it before `quantize_draft_head` (which then quantises only
+        logits elsewhere are -inf. Rank `rank` of `world` tensor-parallel ranks keeps the ids
+        of its vocabulary slice. The rows are padded with zero rows to a multiple of
+        `DRAFT_ROWS_MULTIPLE` (CUDA's int8 matmul pads them on every call otherwise; the padding's
+        logits are dropped). Call it before `quantize_draft_head` (which then quantises only
         these rows). Returns this rank's draft rows."""
         if self.draft_head is not None:
             raise RuntimeError("restrict the draft vocabulary before quantising or packing the draft head")
         w = self.head.weight
         n = w.shape[0]  # this rank's vocabulary slice [lo, lo + n) (an even split, sharding.Shard)
-        lo = parallel.rank() * n if parallel.world_size() > 1 else 0
+        lo = rank * n if world > 1 else 0
         ids = torch.as_tensor(token_ids, dtype=torch.long).unique()  # sorted: the head's rows in order
         local = (ids[(ids >= lo) & (ids < lo + n)] - lo).to(w.device)
+        pad = -local.numel() % DRAFT_ROWS_MULTIPLE
         with torch.no_grad():
-            self.draft_head = {"weight": w.detach().index_select(0, local), "ids": local}
+            rows = w.detach().index_select(0, local)
+            self.draft_head = {"weight": torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]), "ids": local}
         return local.numel()
 
     def pack_int8(self, min_bytes: int) -> int:
@@ -188,8 +195,8 @@ class DeepseekV4(nn.Module):
                 return parallel.all_gather(f32(kernels.draft_linear(y, self.draft_head)))
             # a draft vocabulary: its rows' logits [N, V'] in place, -inf elsewhere [N, vocab]
             out = torch.full((y.shape[0], self.head.weight.shape[0]), float("-inf"), device=y.device)
-            if ids.numel():
-                out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head)))
+            if ids.numel():  # [N, V' + padding] -> the set's columns
+                out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head))[:, :ids.numel()])
             return parallel.all_gather(out)
         return parallel.all_gather(f32(linear(y, self.head.weight)))  # each rank's vocabulary slice
 

@@ -24,7 +24,7 @@ def test_draft_vocab_writes_a_file_run_serves_with(tmp_path: Path) -> None:
     assert line.startswith(f"dsv4: wrote {out}: 1024 of 4096 tokens, covering ") and "of --heldout" in line
     assert "\n" not in line and r.stdout == ""
     ids = dv.read(out, 4096)
-    assert len(ids) == 1024 and ids[:3] == [0, 1, 2]  # the special tokens first
+    assert len(ids) == 1024 and ids[:2] == [1, 0]  # end and start of sequence first
     data = json.loads(out.read_text())
     assert 0.5 < data["heldout_coverage"] < data["coverage"] < 1
     again = dsv4("draft-vocab", str(HAMLET), "--out", str(out))

@@ -16,8 +16,7 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4 import draft_vocab as dv
-from dsv4.model import parallel
-from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.model import DRAFT_ROWS_MULTIPLE, DeepseekV4, init_random
 from dsv4.model.state import Batch
 from dsv4.model.w8a8 import to_w8a8
 from tests.checkpoints import write_tiny_checkpoint
@@ -61,10 +60,12 @@ def test_draft_logits_are_the_chosen_rows_of_the_full_ones(fmt):
     part = copy.deepcopy(full)
     ids = [0, 5, 17, 63, 64, 127]
     assert part.restrict_draft_vocab(ids + [5]) == len(ids)  # repeats count once
+    assert part.draft_head["weight"].shape[0] == DRAFT_ROWS_MULTIPLE  # padded with zero rows
     if fmt == "w8a8":
         full.quantize_draft_head()
         part.quantize_draft_head()
-        assert torch.equal(part.draft_head["weight"], full.draft_head["weight"][ids])
+        assert torch.equal(part.draft_head["weight"][:len(ids)], full.draft_head["weight"][ids])
+    assert not part.draft_head["weight"][len(ids):].any()
     assert part.draft_vocab_size == len(ids) and full.draft_vocab_size is None
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 128, (1, 20), generator=g)
@@ -85,15 +86,21 @@ def test_draft_logits_are_the_chosen_rows_of_the_full_ones(fmt):
         part.restrict_draft_vocab(ids)
 
 
-def test_each_rank_keeps_the_ids_of_its_vocabulary_slice(monkeypatch):
+def test_each_rank_keeps_the_ids_of_its_vocabulary_slice():
     model = init_random(DeepseekV4(tiny_config()), seed=0).eval()
     rows = model.head.weight.detach().clone()
     model.head.weight = torch.nn.Parameter(rows[64:].clone())  # rank 1 of 2: tokens 64..127
-    monkeypatch.setattr(parallel, "world_size", lambda: 2)
-    monkeypatch.setattr(parallel, "rank", lambda: 1)
-    assert model.restrict_draft_vocab([3, 127, 70]) == 2
+    assert model.restrict_draft_vocab([3, 127, 70], rank=1, world=2) == 2
     assert model.draft_head["ids"].tolist() == [6, 63]
-    assert torch.equal(model.draft_head["weight"], rows[[70, 127]])
+    assert torch.equal(model.draft_head["weight"][:2], rows[[70, 127]])
+    none = init_random(DeepseekV4(tiny_config()), seed=0).eval()
+    none.head.weight = torch.nn.Parameter(rows[:64].clone())  # rank 0 of 2 holds none of the set
+    assert none.restrict_draft_vocab([70, 127], rank=0, world=2) == 0
+    with torch.inference_mode():  # its slice of the draft logits: all -inf
+        x = torch.tensor([[5, 9, 11]])
+        hidden, _ = none.forward_batch(Batch.whole(x), None)
+        logits = none.mtp_forward(Batch.whole(x), hidden, None)[1]
+    assert logits.shape == (3, 64) and torch.isneginf(logits).all()
 
 
 @pytest.mark.exact
@@ -118,6 +125,7 @@ def test_greedy_with_a_draft_vocabulary_equals_k0(ckpt, dense_ckpt, tmp_path, qu
             assert_chains_agree(got, ref, prompts, load_model(d, quantization="w8a8"), dense_ckpt[1])
         drafted = [t for c in outs for t, s in zip(c.token_ids, c.sources) if s == "draft"]
         assert set(drafted) <= set(ids)  # an accepted draft was proposed, and proposals are in the set
+        assert sum(c.metrics["spec"]["drafted"] for c in outs) > 0
 
 
 def test_the_embedded_model_keeps_most_of_its_acceptance(tmp_path):

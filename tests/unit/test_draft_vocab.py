@@ -55,6 +55,8 @@ def test_read_round_trips_what_build_writes(tmp_path: Path) -> None:
     (dict(token_ids=[1, 2.0]), "token id 2.0 is not in 0..63"),
     (dict(token_ids=[4, 4]), "repeat"),
     (dict(vocab_size=129280), "made for a vocabulary of 129280 tokens, the model has 64"),
+    (dict(version=2), "version 2 of its format; this dsv4 reads version 1"),
+    ("[" * 100000, "not JSON"),  # nested past the parser's recursion limit
 ])
 def test_bad_files_are_one_line_errors(tmp_path: Path, content, words) -> None:
     p = tmp_path / "v.json"
@@ -123,4 +125,6 @@ def test_a_detached_daemon_gets_the_file_as_an_absolute_path(tmp_path: Path, mon
     for word in ("auto", "off"):
         argv = engine_argv(engine_kwargs(draft_vocab=word))
         assert argv[argv.index("--draft-vocab") + 1] == word
-    assert SETTING_FLAGS["draft_vocab"] == "--draft-vocab"
+    argv = engine_argv(engine_kwargs(draft_vocab=" off "))
+    assert argv[argv.index("--draft-vocab") + 1] == "off"
+    assert "draft_vocab" in SETTING_FLAGS  # a running daemon is compared on it when the flag is given
