@@ -106,3 +106,10 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("tiny-checkpoint")
     write_tiny_checkpoint(d)
     return d
+
+
+@pytest.fixture(scope="session")
+def dense_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, DeepseekV4]:
+    """The w8a8 tests' checkpoint: routes densely (`bound`); (path, its float32 model)."""
+    d = tmp_path_factory.mktemp("tiny-dense")
+    return d, write_tiny_checkpoint(d, **W8A8_DENSE)

@@ -19,8 +19,7 @@ from dsv4 import draft_vocab as dv
 from dsv4.model.model import DRAFT_ROWS_MULTIPLE, DeepseekV4, init_random
 from dsv4.model.state import Batch
 from dsv4.model.w8a8 import to_w8a8
-from tests.checkpoints import write_tiny_checkpoint
-from tests.model.conftest import W8A8_DENSE, assert_chains_agree
+from tests.model.conftest import assert_chains_agree
 from tests.model.tiny import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,19 +33,6 @@ def _vocab_file(path: Path, ids: list[int], vocab: int = 4096) -> Path:
 
 def _half(vocab: int, seed: int = 0) -> list[int]:
     return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:vocab // 2].tolist()
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-dv")
-    write_tiny_checkpoint(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def dense_ckpt(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny-dv-dense")
-    return d, write_tiny_checkpoint(d, **W8A8_DENSE)
 
 
 @pytest.mark.exact
@@ -105,8 +91,8 @@ def test_each_rank_keeps_the_ids_of_its_vocabulary_slice():
 
 @pytest.mark.exact
 @pytest.mark.parametrize("quantization", ["none", "w8a8"])
-def test_greedy_with_a_draft_vocabulary_equals_k0(ckpt, dense_ckpt, tmp_path, quantization):
-    d = dense_ckpt[0] if quantization == "w8a8" else ckpt
+def test_greedy_with_a_draft_vocabulary_equals_k0(tiny_checkpoint, dense_checkpoint, tmp_path, quantization):
+    d = dense_checkpoint[0] if quantization == "w8a8" else tiny_checkpoint
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (3, 40, 130)]
     params = SamplingParams(max_tokens=GEN, ignore_eos=True)
@@ -122,7 +108,7 @@ def test_greedy_with_a_draft_vocabulary_equals_k0(ckpt, dense_ckpt, tmp_path, qu
         else:
             from dsv4.model.loader import load_model
 
-            assert_chains_agree(got, ref, prompts, load_model(d, quantization="w8a8"), dense_ckpt[1])
+            assert_chains_agree(got, ref, prompts, load_model(d, quantization="w8a8"), dense_checkpoint[1])
         drafted = [t for c in outs for t, s in zip(c.token_ids, c.sources) if s == "draft"]
         assert set(drafted) <= set(ids)  # an accepted draft was proposed, and proposals are in the set
         assert sum(c.metrics["spec"]["drafted"] for c in outs) > 0
@@ -154,7 +140,7 @@ def test_the_embedded_model_keeps_most_of_its_acceptance(tmp_path):
     assert acc[str(path)] > 0.8 * acc["off"], acc
 
 
-def test_a_grammar_with_no_token_of_the_set_drafts_through_the_whole_head(ckpt, tmp_path, monkeypatch):
+def test_a_grammar_with_no_token_of_the_set_drafts_through_the_whole_head(tiny_checkpoint, tmp_path, monkeypatch):
     """A draft vocabulary of the pad token only, which the JSON grammar never allows: every
     constrained row falls back to the whole head, so the drafts, and what they accept, are
     those of no draft vocabulary; without the fallback every draft is refused."""
@@ -164,10 +150,10 @@ def test_a_grammar_with_no_token_of_the_set_drafts_through_the_whole_head(ckpt, 
     params = SamplingParams(max_tokens=48, structured={"json_schema": schema})
     prompts = ["To be, or not to be", "Now is the winter"]
     kw = dict(num_speculative_tokens=2, max_num_seqs=2, max_model_len=256)
-    with LLM(ckpt, draft_vocab="off", **kw) as llm:
+    with LLM(tiny_checkpoint, draft_vocab="off", **kw) as llm:
         ref = llm.generate(prompts, params)
     pad = _vocab_file(tmp_path / "pad.json", [2])
-    with LLM(ckpt, draft_vocab=str(pad), **kw) as llm:
+    with LLM(tiny_checkpoint, draft_vocab=str(pad), **kw) as llm:
         got = llm.generate(prompts, params)
         monkeypatch.setattr(type(llm.engine.runner), "_outside_vocab", lambda self, logits, *a: logits)
         bare = llm.generate(prompts, params)
@@ -177,7 +163,7 @@ def test_a_grammar_with_no_token_of_the_set_drafts_through_the_whole_head(ckpt, 
     assert sum(c.metrics["spec"]["accepted"] for c in bare) == 0
 
 
-def test_a_packed_draft_head_keeps_its_vocabulary(ckpt, monkeypatch):
+def test_a_packed_draft_head_keeps_its_vocabulary(tiny_checkpoint, monkeypatch):
     """w8a8 with every int8 weight packed (MIN_BYTES 0): the draft head is the set's rows,
     packed, and the MTP's logits are the plain restricted head's bit for bit."""
     from dsv4.model import int8pack
@@ -186,9 +172,9 @@ def test_a_packed_draft_head_keeps_its_vocabulary(ckpt, monkeypatch):
     if not int8pack.exact():
         pytest.skip("oneDNN's packed int8 product is not exact on this CPU: nothing is packed")
     ids = _half(4096, 3)
-    plain = load_model(ckpt, quantization="w8a8", draft_vocab=ids)
+    plain = load_model(tiny_checkpoint, quantization="w8a8", draft_vocab=ids)
     monkeypatch.setattr(int8pack, "MIN_BYTES", 0)
-    packed = load_model(ckpt, quantization="w8a8", pack=True, draft_vocab=ids)
+    packed = load_model(tiny_checkpoint, quantization="w8a8", pack=True, draft_vocab=ids)
     assert "packed" in packed.draft_head and "weight" not in packed.draft_head
     assert torch.equal(packed.draft_head["ids"], plain.draft_head["ids"]) and packed.draft_vocab_size == len(ids)
     x = torch.randint(0, 4096, (1, 30), generator=torch.Generator().manual_seed(4))

@@ -24,7 +24,7 @@ from dsv4.engine.config import EngineConfig, EngineConfigError
 from dsv4.engine.ranks import RankError
 from dsv4.engine import plan
 from tests.checkpoints import write_tiny_checkpoint
-from tests.model.conftest import W8A8_DENSE, assert_chains_agree
+from tests.model.conftest import assert_chains_agree
 from tests.model.test_rendezvous import listening
 
 GEN = 8
@@ -47,13 +47,6 @@ def _run(tiny_checkpoint, T: int, K: int | str, quantization: str, gen: int = GE
         seeded = SamplingParams(max_tokens=gen, ignore_eos=True, temperature=0.8, top_p=0.95, seed=7)
         outs = llm.generate(_prompts() + _prompts()[1:2], [greedy] * 3 + [seeded])
     return [(c.token_ids, c.metrics["spec"]) if spec else c.token_ids for c in outs]
-
-
-@pytest.fixture(scope="module")
-def dense_checkpoint(tmp_path_factory):
-    """w8a8's checkpoint: routes densely (tests/model/conftest.py `bound`); (path, float32 model)."""
-    d = tmp_path_factory.mktemp("tiny-dense")
-    return d, write_tiny_checkpoint(d, **W8A8_DENSE)
 
 
 @pytest.mark.parametrize(("quantization", "K"), [("none", 1), ("none", 2), ("w8a8", 2)])
