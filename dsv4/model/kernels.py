@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import int8pack
+from .layers import linear
 
 QMAX = 127.0
 _TINY = 1e-30  # amax floor: an all-zero token quantises to zeros with a harmless scale
@@ -107,15 +108,16 @@ def draft_linear(x: torch.Tensor, head: dict[str, torch.Tensor]) -> torch.Tensor
     """The MTP's draft logits through its own head: x [M, K] -> [M, V] in x's dtype. That
     head is the int8 copy of the head (`DeepseekV4.quantize_draft_head`) and/or the rows of a
     draft vocabulary (`restrict_draft_vocab`, in the head's dtype when not int8). Drafts are
-    only proposals (verification uses the exact head), so the fastest int8 kernel serves: on CPU with bfloat16 x and few rows,
-    `torch._weight_int8pack_mm` (int8 weight, bf16 activations: the head at 24 GB/s where
-    `_int_mm` reads it at 12, measured with 2 threads, V4 Flash's 129280 x 4096); else W8A8.
+    only proposals (verification uses the exact head), so the fastest int8 kernel serves: on
+    CPU with bfloat16 x and few rows, `torch._weight_int8pack_mm` (int8 weight, bf16
+    activations: the head at 24 GB/s where `_int_mm` reads it at 12, measured with 2
+    threads, V4 Flash's 129280 x 4096); else W8A8.
     A head prepacked for oneDNN (`DeepseekV4.pack_int8`) goes through it at any row count
     (V4 Flash's head: 19.6 ms at 1 row and 20.6 at 8, against 21.0 and 40.7 ms)."""
     if "packed" in head:
         return w8a8_linear(x, head["packed"], head["scale"])
     if head["weight"].dtype != torch.int8:  # a draft vocabulary's rows of an unquantised head
-        return torch.mm(x, head["weight"].t()) if x.dim() == 2 else F.linear(x, head["weight"])
+        return linear(x, head["weight"])
     if (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= DRAFT_PACKED_MAX_ROWS
             and x.shape[1] % 16 == 0):  # torch 2.13's kernel: NaN or a crash for other widths (e.g. 24, 17)
         return torch.ops.aten._weight_int8pack_mm(x, head["weight"], head["scale_bf16"])

@@ -192,12 +192,12 @@ class DeepseekV4(nn.Module):
         if draft and self.draft_head is not None:
             ids = self.draft_head.get("ids")
             if ids is None:
-                return parallel.all_gather(f32(kernels.draft_linear(y, self.draft_head)))
-            # a draft vocabulary: its rows' logits [N, V'] in place, -inf elsewhere [N, vocab]
-            out = torch.full((y.shape[0], self.head.weight.shape[0]), float("-inf"), device=y.device)
-            if ids.numel():  # [N, V' + padding] -> the set's columns
-                out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head))[:, :ids.numel()])
-            return parallel.all_gather(out)
+                out = f32(kernels.draft_linear(y, self.draft_head))
+            else:  # a draft vocabulary: its rows' logits [N, V' + padding] in place, -inf elsewhere
+                out = torch.full((y.shape[0], self.head.weight.shape[0]), float("-inf"), device=y.device)
+                if ids.numel():
+                    out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head))[:, :ids.numel()])
+            return parallel.all_gather(out)  # [N, vocab]
         return parallel.all_gather(f32(linear(y, self.head.weight)))  # each rank's vocabulary slice
 
     # ---------------------------------------------------------------- stateful
