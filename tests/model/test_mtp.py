@@ -74,4 +74,19 @@ def test_mtp_stateful_chunks_equal_whole(tiny_model):
         outs.append(model.mtp_forward(b, hidden[t:t + n], state)[1])
         t += n
     assert t == S - 1
-    assert (torch.cat(outs) - whole).abs().max().item() <= 1e-5
+    assert (torch.cat(outs) - whole).abs().max().item() <= _mtp_bound(model, ids, whole)
+
+
+def _mtp_bound(model, ids: torch.Tensor, whole: torch.Tensor) -> float:
+    """float32: 1e-5. w8a8: the MTP's own quantisation error on these ids (max |w8a8 - float32
+    MTP logits| of one whole pass), the w8a8 promise of conftest.bound: chunking moves the
+    logits by less than quantisation does (per-token rounding turns the float kernels' last-bit
+    differences between batch shapes into one-step int8 flips; ATEN_CPU_CAPABILITY=default
+    shows it). A chunking bug moves them by their own scale."""
+    twin = getattr(model, "float_twin", None)
+    if twin is None:
+        return 1e-5
+    with torch.inference_mode():
+        hidden, _ = twin.forward_batch(Batch.whole(ids), None)
+        _, ref = twin.mtp_forward(Batch.whole(ids[:, 1:].contiguous()), hidden[:-1], None)
+    return (whole - ref).abs().max().item()
