@@ -69,7 +69,7 @@ def serve(
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
     compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None,
-    nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
+    grammar_compile_timeout: O.GrammarTimeout = None, nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
     http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None,
     allowed_hosts: O.AllowedHosts = None, allowed_origins: O.AllowedOrigins = None, api_key: O.ApiKey = None,
@@ -86,7 +86,7 @@ def serve(
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
                          kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                         draft_vocab=draft_vocab,
+                         draft_vocab=draft_vocab, grammar_compile_timeout=grammar_compile_timeout,
                          tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     if detach and O.under_torchrun():

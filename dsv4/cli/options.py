@@ -197,6 +197,10 @@ MasterPort = Annotated[Optional[int], typer.Option(
 RendezvousTimeout = Annotated[Optional[float], typer.Option(
     "--rendezvous-timeout", metavar="SECONDS", rich_help_panel=ENGINE_PANEL,
     help="How long the ranks wait for each other at startup [default: 60]")]
+GrammarTimeout = Annotated[Optional[float], typer.Option(
+    "--grammar-compile-timeout", metavar="SECONDS", rich_help_panel=ENGINE_PANEL,
+    help="Longest a structured-output grammar may compile (in a worker process; longer: the request "
+         "is refused with 400) [default: 10]")]
 
 # flag -> EngineConfig field
 ENGINE_FLAGS = {
@@ -208,7 +212,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
-    "draft_vocab": "--draft-vocab",
+    "draft_vocab": "--draft-vocab", "grammar_compile_timeout": "--grammar-compile-timeout",
 }
 
 

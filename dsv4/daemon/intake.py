@@ -1,9 +1,10 @@
 """What stands between the daemon's socket and its engine loop: a tokenizing worker and a connection guard.
 
-* `Tokenizer worker` (`Intake`): big text prompts are tokenized on one worker thread
-  (the `tokenizers` library releases the GIL while it works), so a 4 MiB prompt does not
-  stall the engine step loop and everyone's streams; finished jobs wake the loop through
-  the server's wakeup socket and are collected with `done()`.
+* `Intake`: big text prompts are tokenized on one worker thread (the `tokenizers` library
+  releases the GIL while it works), so a 4 MiB prompt does not stall the engine step loop and
+  everyone's streams; a structured request's grammar compiles in the engine's compile pool
+  (`Engine.submit_grammar`), whose future it watches the same way. Finished ones wake the
+  loop through the server's wakeup socket and are collected with `done()`.
 * `ConnectionGuard`: counts the ROUTER's open connections with a ZeroMQ socket monitor.
   libzmq aborts the whole process when accepting an ipc connection fails for lack of
   descriptors (EMFILE: `Too many open files (src/ipc_listener.cpp:297)`; its tcp listener
@@ -47,22 +48,28 @@ CHECK_EVERY = 8  # monitor events between two looks at the free descriptors
 
 
 class Intake:
-    """One worker thread running tokenization jobs; results come back through `done()`."""
+    """One worker thread running tokenization jobs, and the other futures a request waits for
+    (its grammar's compile); finished ones come back through `done()`."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._wake = wake
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dsv4-tokenize")
-        self._done: queue.SimpleQueue[tuple[str, Future]] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[str, str, Future]] = queue.SimpleQueue()
         self.pending = 0
 
-    def submit(self, key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-        """Run `fn(*args, **kwargs)` on the worker; `done()` later yields (key, future)."""
-        self.pending += 1
+    def submit(self, key: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Run `fn(*args, **kwargs)` on the worker; `done()` later yields (key, "prompt", future)."""
         fut = self._pool.submit(fn, *args, **kwargs)
-        fut.add_done_callback(lambda f: (self._done.put((key, f)), self._wake()))
+        self.watch(key, "prompt", fut)
+        return fut
 
-    def done(self) -> list[tuple[str, Future]]:
-        """The jobs finished since the last call (their future holds the result or the exception)."""
+    def watch(self, key: str, what: str, fut: Future) -> None:
+        """`done()` yields (key, what, fut) once `fut` is done (or cancelled), waking the loop."""
+        self.pending += 1
+        fut.add_done_callback(lambda f: (self._done.put((key, what, f)), self._wake()))
+
+    def done(self) -> list[tuple[str, str, Future]]:
+        """The futures finished since the last call (each holds its result or exception)."""
         out = []
         while True:
             try:

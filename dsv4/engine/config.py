@@ -88,6 +88,7 @@ class EngineConfig:
     kv_cache_memory: int | float | str | None = None  # --kv-cache-memory; built: bytes of the block pool
     enable_prefix_caching: bool = True
     draft_vocab: str | None = None  # --draft-vocab: auto, off or a file; built: the file's absolute path or "off"
+    grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout: seconds one grammar may compile
     # Resolved from the checkpoint while validating (not arguments).
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
@@ -121,6 +122,9 @@ class EngineConfig:
         if self.threads is None:
             set_("threads", default_threads())
         check_int("--threads", self.threads, minimum=1)
+        t = self.grammar_compile_timeout
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise EngineConfigError(f"--grammar-compile-timeout must be a number of seconds in (0, 3600], got {t!r}")
         set_("sampling_defaults", generation_defaults(Path(self.model)))
 
         try:

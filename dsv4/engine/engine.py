@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -161,15 +162,21 @@ class Engine:
         tok = self.tokenizer  # structured outputs: xgrammar over this vocabulary, built at the first use
         self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
                                  think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
-                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None)
+                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
+                                 budget_s=config.grammar_compile_timeout)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_mode: str = "auto", system: str | None = None,
-                    thinking: bool = False, client: Any = None, tools: list[Any] | None = None) -> str:
+                    thinking: bool = False, client: Any = None, tools: list[Any] | None = None,
+                    grammar: Any = None, follows: str | None = None) -> str:
         """Queue a request; raises `RequestError` (for this request alone) when it cannot run.
         Without `params`, the model's defaults (`make_params({})`) apply. `client` (any
-        hashable) names who asked: the scheduler shares slots fairly between clients."""
+        hashable) names who asked: the scheduler shares slots fairly between clients.
+        `grammar`: the compiled grammar of `params.structured` (`submit_grammar`); without it
+        the grammar is compiled here, waiting (the offline API; the daemon never does).
+        `follows`: a live request with the same prompt (a sibling sample): this one starts once
+        that one's prompt is prefilled, so the prefix cache gives it the whole blocks."""
         params = params or dataclasses.replace(self.default_params)
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
@@ -183,9 +190,13 @@ class Engine:
             ids = prompt
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, client=client)
+        leader = self._tracks.get(str(follows)) if follows is not None else None
+        if leader is not None and leader.request.prompt_ids == req.prompt_ids:
+            req.after = leader.request
         if params.structured is not None:  # compiled (or refused) before it queues
             params.validate(self.scheduler.vocab_size)
-            req.grammar = self.grammars.state(params.structured, ids)
+            compiled = grammar if grammar is not None else self.grammars.compile(params.structured)
+            req.grammar = self.grammars.state(compiled, ids)
         self.scheduler.add(req)  # validates; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output),
@@ -212,11 +223,11 @@ class Engine:
                                f"{self.max_text_bytes} bytes for --max-model-len {self.config.max_model_len} "
                                f"({self.tokenizer.max_token_bytes} bytes per token at most); send a shorter prompt")
 
-    def prepare_grammar(self, spec: dict[str, Any]) -> None:
-        """Compile a structured-output spec into the grammar cache (the first time also the
-        vocabulary's tables: up to ~1.7 s on V4's), so that `add_request` finds it; thread-safe,
-        for the daemon's intake thread. Raises `RequestError` for a grammar that cannot compile."""
-        self.grammars.compile(spec)
+    def submit_grammar(self, spec: dict[str, Any]) -> Future:
+        """A Future of a structured-output spec's compiled grammar, for `add_request(grammar=)`:
+        compiled in a worker process within --grammar-compile-timeout (`Grammars.submit`), so
+        the caller's thread (the daemon's loop) never waits; cancelling it drops the compile."""
+        return self.grammars.submit(spec)
 
     def encode_request(self, prompt: str, *, prompt_mode: str = "auto", system: str | None = None,
                        thinking: bool = False, tools: list[Any] | None = None) -> list[int]:
@@ -395,12 +406,15 @@ class Engine:
                             + self.config.kv_cache_memory),
             "max_model_len": self.config.max_model_len,
             "preemptions": s.num_preemptions,
+            "grammars": self.grammars.status(),
             **s.kv.stats(),
             "totals": self.metrics.to_dict(),
         }
 
     def close(self) -> None:
-        """Flush the profiler (if --profile is on); stop the other ranks and a background build."""
+        """Flush the profiler (if --profile is on); stop the other ranks, a background build and
+        the grammar workers."""
+        self.grammars.close()
         if self._builder is not None:
             from .compile_builder import stop
 

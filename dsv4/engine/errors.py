@@ -4,3 +4,8 @@ it: `request` (which re-exports it), `sampling` (parameter checks), `scheduler`,
 
 class RequestError(ValueError):
     """A request that cannot be served; fails that request alone. One-line message."""
+
+
+class RequestBusy(RequestError):
+    """A request refused for now because something it needs is full (e.g. the grammar
+    compiler's queue); the daemon answers `busy` (HTTP 503): try again later."""

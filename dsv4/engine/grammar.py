@@ -3,14 +3,11 @@ compiled by xgrammar into per-token masks, kept exact under MTP speculative deco
 
 * `check_spec(spec)`: the shape of `SamplingParams.structured` (one of `json_schema`,
   `json_object`, `regex`, `choice`, `ebnf`; at most `MAX_SPEC_BYTES` of JSON), no xgrammar needed.
-  JSON (`json_schema`, and `json_object`: any object) may be indented, but each run of
-  whitespace is at most `MAX_JSON_WHITESPACE` characters: a model cannot pad forever.
-* `Grammars` (one per engine): xgrammar's `TokenizerInfo` built once, lazily, from the
-  tokenizer's vocabulary (each id's bytes, `Tokenizer.token_bytes`: byte-level BPE
-  strings mapped back to bytes; special added tokens, `<think>`, `</think>` and the ids past
-  the tokenizer's vocabulary are never allowed by a grammar, other added tokens such as
-  V4's `｜DSML｜` are their text), EOS as its stop token; compiled grammars in a
-  small LRU keyed by the spec. `Grammars.state(spec, thinking)` -> a `GrammarState`.
+* `Grammars` (one per engine): `submit(spec)` compiles in the background (`grammar_compile`:
+  worker processes, a time budget, a cache), over xgrammar's `TokenizerInfo` of the vocabulary
+  (each id's bytes, `Tokenizer.token_bytes`; special added tokens, `<think>`, `</think>` and ids
+  past the tokenizer's vocabulary are never allowed, other added tokens such as V4's `｜DSML｜`
+  are their text), EOS as its stop token. `state(compiled, prompt_ids)` -> a `GrammarState`.
 * `GrammarState` (one per request, on rank 0): `masks(drafts)` gives the bitmask of every
   verified row: row j's after accepting drafts 0..j-1 into the matcher, then rolled back;
   a draft the grammar refuses leaves the rows after it unconstrained (verification stops
@@ -30,24 +27,22 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .errors import RequestError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: `check_spec` runs in params.py, without torch
+    from concurrent.futures import Future
+
     import torch
+
+    from .grammar_compile import CompilePool
 
     from .tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 MAX_SPEC_BYTES = 64 << 10  # a spec's JSON: larger schemas are refused
 MAX_CHOICES = 1024
-CACHE_SIZE = 32  # compiled grammars kept (LRU)
-# JSON may be indented, but no whitespace run between two tokens of JSON is longer than this:
-# a model cannot pad forever (the embedded model wrote newlines until max_tokens without it)
-MAX_JSON_WHITESPACE = 16
-_WHITESPACE = {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
 INSTALL_HINT = "scripts/venv.sh http,structured, or pip install 'dsv4[structured]'"
 
 
@@ -82,26 +77,45 @@ def _short(v: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def choice_ebnf(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose sentences are exactly `choices`."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
-
-
 class Grammars:
-    """The engine's grammar compiler over its tokenizer's vocabulary (module docstring)."""
+    """The engine's grammars over its tokenizer's vocabulary (module docstring)."""
 
     def __init__(self, tokenizer: "Tokenizer | None", vocab_size: int, eos_id: int | None,
-                 think_start: int | None = None, think_end: int | None = None) -> None:
+                 think_start: int | None = None, think_end: int | None = None, *, budget_s: float = 10.0) -> None:
         self.tokenizer, self.vocab_size, self.eos_id = tokenizer, vocab_size, eos_id
         self.think_start, self.think_end = think_start, think_end
-        self._compiler: Any = None
-        self._cache: OrderedDict[str, Any] = OrderedDict()
-        # the daemon compiles on its intake thread (`compile`) while the loop takes cache hits
-        self._lock = threading.Lock()
+        self.budget_s = budget_s
+        self._pool: "CompilePool | None" = None
+        self._pool_lock = threading.Lock()  # creating the pool at the first structured request (any thread)
 
-    def _get_compiler(self) -> Any:
-        if self._compiler is not None:
-            return self._compiler
+    def submit(self, spec: dict[str, Any]) -> "Future":
+        """A Future of the compiled grammar of a checked spec (`grammar_compile.CompilePool`:
+        off this thread, in a worker process, within the budget); it fails with a one-line
+        `RequestError` (no xgrammar, no tokenizer, a grammar that does not compile or is over
+        budget) or `RequestBusy`. Cancelling it drops the compile."""
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    from .grammar_compile import CompilePool
+
+                    self._pool = CompilePool(self._tokenizer_info, budget_s=self.budget_s)
+        return self._pool.submit(spec)
+
+    def compile(self, spec: dict[str, Any]) -> Any:
+        """`submit(spec)`, waited for: for callers without a loop to keep going (the offline LLM)."""
+        return self.submit(spec).result()
+
+    def status(self) -> dict[str, Any]:
+        return self._pool.status() if self._pool is not None else {}
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    def _tokenizer_info(self) -> tuple[str, Any]:
+        """xgrammar's TokenizerInfo of this vocabulary, and its JSON for the workers (built once,
+        on the compile pool's thread: ~1.5 s for V4's 129k ids)."""
         try:
             import xgrammar as xgr
         except ImportError:
@@ -116,46 +130,11 @@ class Grammars:
         vocab += [b""] * (self.vocab_size - n)
         stop = [self.eos_id] if self.eos_id is not None else None
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stop)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
-        return self._compiler
+        return info.serialize_json(), info
 
-    def compile(self, spec: dict[str, Any]) -> Any:
-        """The xgrammar `CompiledGrammar` of a checked spec (cached); a grammar that does not
-        compile raises `RequestError` (one line). Thread-safe: the daemon compiles a request's
-        grammar (and, the first time, the vocabulary's) on its intake thread, off the engine loop."""
-        with self._lock:
-            return self._compile(spec)
-
-    def _compile(self, spec: dict[str, Any]) -> Any:
-        key = json.dumps(spec, sort_keys=True, ensure_ascii=False)
-        if key in self._cache:
-            self._cache.move_to_end(key)
-            return self._cache[key]
-        comp = self._get_compiler()
-        (kind, value), = spec.items()
-        try:
-            if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
-                g = comp.compile_json_schema('{"type": "object"}', strict_mode=False, **_WHITESPACE)
-            elif kind == "json_schema":
-                schema = value if isinstance(value, str) else json.dumps(value)
-                g = comp.compile_json_schema(schema, strict_mode=True, **_WHITESPACE)
-            elif kind == "regex":
-                g = comp.compile_regex(value)
-            elif kind == "choice":
-                g = comp.compile_grammar(choice_ebnf(value))
-            else:
-                g = comp.compile_grammar(value)
-        except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError/ValueError/its own types)
-            msg = " ".join(str(e).split()) or type(e).__name__
-            raise RequestError(f"structured {kind}: cannot compile: {msg[:300]}") from None
-        self._cache[key] = g
-        if len(self._cache) > CACHE_SIZE:
-            self._cache.popitem(last=False)
-        return g
-
-    def state(self, spec: dict[str, Any], prompt_ids: Sequence[int]) -> "GrammarState":
-        """A fresh matcher for a request; it starts unconstrained when the prompt ends in `<think>`."""
-        compiled = self.compile(spec)  # first: without xgrammar it is the error that says how to install it
+    def state(self, compiled: Any, prompt_ids: Sequence[int]) -> "GrammarState":
+        """A fresh matcher of a compiled grammar for a request (cheap: the engine loop calls it);
+        it starts unconstrained when the prompt ends in `<think>`."""
         import xgrammar as xgr
 
         matcher = xgr.GrammarMatcher(compiled)

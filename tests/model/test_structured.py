@@ -234,9 +234,9 @@ def test_thinking_mode_constrains_only_after_think_end(v4_llm):
 
 
 def test_the_daemon_compiles_grammars_off_its_loop(ckpt, tmp_path):
-    """A real daemon loop (Server) over a real engine: a structured request's grammar (and, the
-    first time, the vocabulary's tables) is compiled on the intake thread, so the loop keeps
-    streaming others' tokens meanwhile; the answer follows it; a bad grammar is a one-line error."""
+    """A real daemon loop (Server) over a real engine: a structured request's grammar compiles
+    in the engine's compile pool (a worker process), so the loop never compiles (nor waits):
+    `add_request` gets the compiled grammar; the answer follows it; a bad grammar is a one-line error."""
     import threading
 
     from dsv4.daemon.client import Client, DaemonError
@@ -244,18 +244,16 @@ def test_the_daemon_compiles_grammars_off_its_loop(ckpt, tmp_path):
 
     llm = LLM(ckpt, num_speculative_tokens=0, max_num_seqs=2, max_model_len=256)
     eng = llm.engine
-    threads: list[str] = []
-    compile_ = eng.grammars.compile
+    compiled_inline: list[str] = []
+    given: list[bool] = []
+    eng.grammars.compile = lambda spec: compiled_inline.append(threading.current_thread().name)  # type: ignore
+    add = eng.add_request
 
-    def recording(spec):  # the threads where compiles missed the cache (compiled for real)
-        before = len(eng.grammars._cache)
-        try:
-            return compile_(spec)
-        finally:
-            if len(eng.grammars._cache) != before or before == 0:
-                threads.append(threading.current_thread().name)
+    def recording(*a, **kw):
+        given.append(kw.get("grammar") is not None)
+        return add(*a, **kw)
 
-    eng.grammars.compile = recording
+    eng.add_request = recording  # type: ignore[method-assign]
     ep = f"ipc://{tmp_path}/s.sock"
     server = Server(eng, ep, model_name="tiny", make_params=eng.make_params)
     server.bind()
@@ -270,9 +268,11 @@ def test_the_daemon_compiles_grammars_off_its_loop(ckpt, tmp_path):
             rid = c.generate([5], {"max_tokens": 4, "structured": {"regex": "(unclosed"}}, mode="raw")
             with pytest.raises(DaemonError, match="cannot compile"):
                 list(c.stream(rid, deadline=time.monotonic() + 60))
+        stats = eng.grammars.status()
     finally:
         server.request_stop("test over")
         loop.join(5)
         server.close()
         llm.close()
-    assert threads and all(t.startswith("dsv4-tokenize") for t in threads), threads  # never on the loop
+    assert compiled_inline == [] and given == [True], (compiled_inline, given)
+    assert stats["compiled"] == 1 and stats["workers"] >= 1, stats  # in a worker process

@@ -30,7 +30,7 @@ def test_bad_specs(spec):
 def test_without_xgrammar_the_error_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar -> ImportError
     with pytest.raises(RequestError, match=r"xgrammar, which is not installed: scripts/venv.sh http,structured"):
-        Grammars(None, 8, 1).state({"regex": "a"}, [1])
+        Grammars(None, 8, 1).compile({"regex": "a"})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])  # float64: the torch path
