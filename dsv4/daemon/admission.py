@@ -10,8 +10,9 @@ table and limits), kept apart so each file stays readable:
                              right key answered at once (`watch.StepWatch`)
     _drop_client(...)        a client gone or silent: its requests cancelled
     _generate(...)           request limit (busy), sampling params, text byte limit (before
-                             tokenizing), then tokenize inline (small) or on the worker (big)
-    _collect_tokenized()     requests whose prompts the worker finished go to the engine
+                             tokenizing), then tokenize inline (small) or on the worker (big);
+                             a structured request's grammar compiles in the engine's pool
+    _collect_prepared()      requests whose prompts and grammars are ready go to the engine
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hmac
 import logging
 import os
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +30,13 @@ import zmq
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
 from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES
+from dsv4.engine.errors import RequestBusy
 
 log = logging.getLogger("dsv4.daemon")
 
 SHUTDOWN_MESSAGE = "the dsv4 daemon is shutting down; request cancelled"
 EARLY_PING_BYTES = 1024  # the step watch decodes frames up to this size, looking for pings
+DEAF_GRACE_S = 0.5  # the loop may go this long between reads of its socket before the gap counts as deaf
 
 
 @dataclass
@@ -42,20 +46,30 @@ class Live:
     client: bytes
     rid: str
     pieces: Any = None  # IncrementalDetokenizer when the client asked for per-token text
+    end_client: str | None = None  # `Generate.client`: whom it counts for within its connection
 
 
 @dataclass
 class Pending:
-    """A text request whose prompt is being tokenized on the worker thread."""
+    """A request waiting, off the loop, for its prompt's tokens and/or its grammar's compile."""
 
     client: bytes
     req: P.Generate
     params: Any
+    prompt: str | list[int] | None = None  # once tokenized (or as sent)
+    grammar: Any = None  # once compiled
+    futures: list[Future] = field(default_factory=list)  # what it still waits for
+
+    def cancel(self) -> None:
+        """Drop what it waits for (a grammar's compile stops; a tokenization's result is ignored)."""
+        for fut in self.futures:
+            fut.cancel()
 
 
 @dataclass
 class ClientState:
     last_seen: float
+    deaf_at_seen: float = 0.0  # the server's `deaf_s` then: deaf time since does not count as silence
     requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
 
 
@@ -64,6 +78,10 @@ class Admission:
 
     _clients: dict[bytes, ClientState]
     _live: dict[str, Live]
+    max_requests_per_client: int
+    deaf_s: float
+    _backlog: bool
+    _last_listen: float
     _pending: dict[str, Pending]
 
     def _admit(self, client: bytes, body: list[bytes]) -> tuple[ClientState, bytes] | None:
@@ -87,7 +105,7 @@ class Admission:
                                            f"clients connected (the limit); try again later"), reap=False)
                 return
             state = self._clients[client] = ClientState(last_seen=now)
-        state.last_seen = now
+        state.last_seen, state.deaf_at_seen = now, self.deaf_s
         if len(body) != 1:
             self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
             return
@@ -149,13 +167,17 @@ class Admission:
             self._abort(erid, notify=True, error=f"request cancelled: client {why}")
 
     def _reap_silent_clients(self) -> None:
+        """Cancel the requests of clients not heard from for the heartbeat timeout, counting only
+        time the daemon listened: not while it could not read its socket (`deaf_s`), and not at
+        all while messages wait unread (a client's ping may be among them)."""
         now = time.monotonic()
-        if now - self._last_reap < 0.5:
-            return
+        if now - self._last_reap < 0.5 or self._backlog or now - self._last_listen > DEAF_GRACE_S:
+            return  # behind on reading, or held up since the last read: read first (the gap is deaf time)
         self._last_reap = now
         for client, state in list(self._clients.items()):
-            if now - state.last_seen > self.heartbeat_timeout:
-                self._drop_client(client, f"silent for {now - state.last_seen:.0f} s")
+            silent = now - state.last_seen - (self.deaf_s - state.deaf_at_seen)
+            if silent > self.heartbeat_timeout:
+                self._drop_client(client, f"silent for {silent:.0f} s")
 
     def _generate(self, client: bytes, state: ClientState, req: P.Generate) -> None:
         if self.stop_reason is not None:
@@ -173,6 +195,12 @@ class Admission:
             self._send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.max_requests} "
                                        f"requests in flight (the limit); try again later"))
             return
+        mine = sum(1 for erid in state.requests.values() if self._end_client(erid) == req.client)
+        if mine >= self.max_requests_per_client:
+            who = f"client {req.client!r}" if req.client else "this connection"
+            self._send(client, P.error(req.id, P.ERR_RATE_LIMITED, f"{who} has {mine} requests in flight, the "
+                                       f"limit per client; wait for some to finish"))
+            return
         erid = f"r{self._next_id}"
         self._next_id += 1
         prompt: str | list[int] = req.prompt
@@ -183,53 +211,79 @@ class Admission:
                 raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
             if isinstance(prompt, str) and encode is not None:
                 self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
-            big = isinstance(prompt, str) and len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES
-            if (encode is not None and big) or (structured is not None and hasattr(self.engine, "prepare_grammar")):
-                # off the loop: tokenizing a big prompt, compiling a grammar (the first also builds the
-                # vocabulary's tables): the other requests' streams go on meanwhile
-                self._pending[erid] = Pending(client, req, params)
-                state.requests[req.id] = erid
-                self._intake.submit(erid, self._prepare, req, structured)
-                return
-            prompt = self._prepare(req, None)  # a short text prompt: tokenized here
+            big = (encode is not None and isinstance(prompt, str)
+                   and len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES)
+            if not big:
+                prompt = self._tokenize(req)  # a short text prompt (or ids): here
         except Exception as e:  # noqa: BLE001  (RequestError: this request only)
             self._reject(client, req, erid, e)
             return
-        self._add(client, state, req, params, erid, prompt)
+        if structured is not None and not hasattr(self.engine, "submit_grammar"):
+            structured = None  # an engine that compiles in add_request itself (tests' fakes)
+        if not big and structured is None:
+            self._add(client, state, req, params, erid, prompt)
+            return
+        # off the loop: tokenizing a big prompt (the intake's worker), compiling a grammar (the
+        # engine's compile pool): the other requests' streams go on meanwhile
+        pending = self._pending[erid] = Pending(client, req, params, prompt=None if big else prompt)
+        state.requests[req.id] = erid
+        if big:
+            pending.futures.append(self._intake.submit(erid, self._tokenize, req))
+        if structured is not None:
+            fut = self.engine.submit_grammar(structured)
+            pending.futures.append(fut)
+            self._intake.watch(erid, "grammar", fut)
 
-    def _prepare(self, req: P.Generate, structured: Any) -> str | list[int]:
-        """The prompt's ids (a text prompt) and the grammar compiled into the engine's cache (a
-        structured request): on the intake worker, or inline for a short prompt (`structured` None)."""
+    def _end_client(self, erid: str) -> str | None:
+        """The end client (`Generate.client`) an engine request id counts for."""
+        entry = self._live.get(erid) or self._pending.get(erid)
+        return entry.end_client if isinstance(entry, Live) else entry.req.client if entry is not None else None
+
+    def _tokenize(self, req: P.Generate) -> str | list[int]:
+        """The prompt's ids (a text prompt with a tokenizer), else the prompt as sent; on the
+        intake's worker for a big prompt, else inline."""
         prompt: str | list[int] = req.prompt
         encode = getattr(self.engine, "encode_request", None)
         if isinstance(prompt, str) and encode is not None:
             prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking, tools=req.tools)
-        if structured is not None:
-            self.engine.prepare_grammar(structured)
         return prompt
 
-    def _reject(self, client: bytes, req: P.Generate, erid: str, e: Exception) -> None:
+    def _reject(self, client: bytes, req: P.Generate, erid: str, e: BaseException) -> None:
         if not isinstance(e, ValueError):
             log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
-        self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, str(e) or type(e).__name__))
+        code = P.ERR_BUSY if isinstance(e, RequestBusy) else P.ERR_BAD_REQUEST
+        self._send(client, P.error(req.id, code, str(e) or type(e).__name__))
 
-    def _collect_tokenized(self) -> None:
-        """Queue the requests whose prompts the worker finished tokenizing (unless cancelled meanwhile)."""
-        for erid, fut in self._intake.done():
-            pending = self._pending.pop(erid, None)
-            if pending is None:
+    def _collect_prepared(self) -> None:
+        """Queue the requests whose prompts are tokenized and grammars compiled (unless
+        cancelled meanwhile); refuse those where either failed."""
+        for erid, what, fut in self._intake.done():
+            pending = self._pending.get(erid)
+            if pending is None or fut.cancelled() or fut not in pending.futures:
                 continue  # cancelled, or its client went away
+            pending.futures.remove(fut)
+            error = fut.exception()
+            if error is None:
+                if what == "prompt":
+                    pending.prompt = fut.result()
+                else:
+                    pending.grammar = fut.result()
+                if pending.futures:
+                    continue  # still waiting for the other
+            del self._pending[erid]
+            pending.cancel()
             state = self._clients.get(pending.client)
             if state is not None:
                 state.requests.pop(pending.req.id, None)
-            if fut.exception() is not None:
-                self._reject(pending.client, pending.req, erid, fut.exception())  # type: ignore[arg-type]
+            if error is not None:
+                self._reject(pending.client, pending.req, erid, error)
             elif state is not None:
-                self._add(pending.client, state, pending.req, pending.params, erid, fut.result())
+                assert pending.prompt is not None
+                self._add(pending.client, state, pending.req, pending.params, erid, pending.prompt, pending.grammar)
 
     def _add(self, client: bytes, state: ClientState, req: P.Generate, params: Any, erid: str,
-             prompt: str | list[int]) -> None:
-        """Hand one request to the engine and start tracking it."""
+             prompt: str | list[int], grammar: Any = None) -> None:
+        """Hand one request to the engine (with its compiled grammar, if structured) and start tracking it."""
         if req.strict_length:
             refusal = _length_refusal(self.engine, prompt, params)
             if refusal:
@@ -237,14 +291,18 @@ class Admission:
                 return
         try:
             # fair shares between connections, and between the end clients one connection names
+            extra = {"grammar": grammar} if grammar is not None else {}
+            leader = state.requests.get(req.follows) if req.follows else None
+            if leader is not None and leader in self._live:  # a sibling sample: after its prefill
+                extra["follows"] = leader
             self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
-                                    system=req.system, thinking=req.thinking, client=(client, req.client))
+                                    system=req.system, thinking=req.thinking, client=(client, req.client), **extra)
         except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
             self._reject(client, req, erid, e)
             return
         tokenizer = getattr(self.engine, "tokenizer", None)
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
-        self._live[erid] = Live(client, req.id, pieces)
+        self._live[erid] = Live(client, req.id, pieces, req.client)
         state.requests[req.id] = erid
 
 

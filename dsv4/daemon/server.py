@@ -41,7 +41,7 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
-from dsv4.daemon.admission import SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
+from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 from dsv4.daemon.watch import StepWatch
@@ -55,6 +55,7 @@ LISTEN_BACKLOG = 16
 HANDSHAKE_IVL_MS = 5000  # connections that do not complete the ZeroMQ handshake are closed after this
 MAX_CLIENTS = 256  # with requests in flight (idle ones are forgotten when the table is full)
 MAX_REQUESTS = 1024  # in flight (running, waiting, being tokenized) over all clients
+MAX_REQUESTS_PER_CLIENT = 256  # in flight for one client (a connection, or an end client it names)
 
 log = logging.getLogger("dsv4.daemon")
 
@@ -71,6 +72,7 @@ class Server(Admission):
                  context: zmq.Context | None = None, api_key: str | None = None,
                  settings: dict[str, Any] | None = None, max_clients: int = MAX_CLIENTS,
                  max_requests: int = MAX_REQUESTS, max_connections: int | None = None,
+                 max_requests_per_client: int = MAX_REQUESTS_PER_CLIENT,
                  test_step_delay_s: float | None = None) -> None:
         self.engine = engine
         self.endpoint = endpoint
@@ -85,6 +87,11 @@ class Server(Admission):
         self._live: dict[str, Live] = {}  # engine request id -> request
         self._next_id = 0
         self._last_reap = time.monotonic()
+        # Time the daemon could not read its socket (its loop held up outside a step, whose watch
+        # listens): it never counts against a client's heartbeat (`_reap_silent_clients`).
+        self.deaf_s = 0.0
+        self._last_listen = time.monotonic()
+        self._backlog = False  # the last drain left messages unread (its turn's budget ran out)
         self._ctx: zmq.Context | None = None
         self._sock: zmq.Socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
@@ -95,6 +102,7 @@ class Server(Admission):
         self.settings = dict(settings or {})
         self.max_clients = max_clients
         self.max_requests = max_requests
+        self.max_requests_per_client = max_requests_per_client
         self.max_connections = max_connections or connection_limit()
         # Frames larger than any acceptable request are refused before decoding (cheap):
         # text up to the byte limit (prompt + system), or max_model_len token ids, plus room for the rest.
@@ -202,17 +210,22 @@ class Server(Admission):
             poller.register(self._guard.monitor, zmq.POLLIN)
         while self.stop_reason is None:
             busy = self._has_work()
+            self._listening()  # a long gap since the last read is deaf time
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            self._listening()  # the poll itself listened
             if self._guard is not None:
                 self._guard.handle()
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
-            self._collect_tokenized()
+            self._collect_prepared()
+            self._backlog = False
             if self._sock in events:
                 self._drain_socket()
             self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
             if self.stop_reason is None and self._has_work():
+                self._listening()
                 self._step()
+                self._last_listen = time.monotonic()  # the step watch listened meanwhile
                 self._handle_held()
             elif not busy:
                 self._idle_tick()
@@ -242,6 +255,16 @@ class Server(Admission):
             log.exception("engine.has_unfinished failed")
             return False
 
+    def _listening(self) -> None:
+        """Mark a point where the daemon reads its socket: a gap longer than DEAF_GRACE_S since
+        the previous one was time no client could be heard, added to `deaf_s`."""
+        now = time.monotonic()
+        gap = now - self._last_listen
+        if gap > DEAF_GRACE_S:
+            self.deaf_s += gap
+            log.warning("the daemon did not read its socket for %.1f s; not counted against clients", gap)
+        self._last_listen = now
+
     def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(64):
@@ -256,6 +279,7 @@ class Server(Admission):
         budget = MAX_BYTES_PER_TURN if self._has_work() else None
         for _ in range(MAX_MESSAGES_PER_TURN):
             if budget is not None and budget <= 0:
+                self._backlog = True
                 return
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -264,6 +288,7 @@ class Server(Admission):
             if budget is not None:
                 budget -= sum(len(f) for f in frames)
             self._handle_safely(frames[0], frames[1:])
+        self._backlog = True  # messages may wait still: their senders are not silent
 
     def _handle_held(self) -> None:
         """The messages the step watch received during the last step, oldest first."""
@@ -338,7 +363,8 @@ class Server(Admission):
 
     def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
         pending = self._pending.pop(erid, None)
-        if pending is not None:  # still being tokenized: the worker's result will be dropped
+        if pending is not None:  # still being tokenized or compiled: dropped (a compile's worker is stopped)
+            pending.cancel()
             state = self._clients.get(pending.client)
             if state is not None:
                 state.requests.pop(pending.req.id, None)
