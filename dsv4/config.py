@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config_values import ConfigError, Getter, integer as _integer, real as _real
+from .config_values import ConfigError, Getter, integer as _integer, real as _real, shown
 
 WINDOW, CSA, HCA = "window", "csa", "hca"
 HF_LAYER_TYPES = {
@@ -247,6 +247,7 @@ class ModelConfig:
             scoring_func=d.get("scoring_func", "sqrtsoftplus"),
             raw=dict(d),
         )
+        _check_maxima(cfg)
         if cfg.scoring_func != "sqrtsoftplus":
             raise ConfigError(f"scoring_func {cfg.scoring_func!r}: DeepSeek V4 uses 'sqrtsoftplus'")
         if cfg.num_experts_per_tok > cfg.n_routed_experts:
@@ -256,6 +257,27 @@ class ModelConfig:
         if cfg.num_nextn_predict_layers > 1:
             raise ConfigError("num_nextn_predict_layers > 1 is not supported (DeepSeek V4 ships one MTP layer)")
         return cfg
+
+
+# The largest value each size may take: far above any DeepSeek V4 (Pro: hidden 7168, 384 experts
+# of width 3072, vocabulary 129280, 1M positions), low enough that no tensor's element count
+# overflows and the memory plan can add them up; beyond, one line naming the key.
+MAXIMA = {
+    "vocab_size": 1 << 22, "hidden_size": 1 << 16, "num_hidden_layers": 1 << 10, "num_attention_heads": 1 << 10,
+    "head_dim": 1 << 12, "q_lora_rank": 1 << 16, "o_lora_rank": 1 << 16, "o_groups": 1 << 10,
+    "sliding_window": 1 << 16, "moe_intermediate_size": 1 << 17, "n_routed_experts": 1 << 12,
+    "n_shared_experts": 64, "num_experts_per_tok": 1 << 10, "index_n_heads": 1 << 10, "index_head_dim": 1 << 12,
+    "index_topk": 1 << 20, "hc_mult": 64, "hc_sinkhorn_iters": 1 << 10, "max_position_embeddings": 1 << 24,
+    "num_hash_layers": 1 << 10,
+}
+
+
+def _check_maxima(cfg: "ModelConfig") -> None:
+    for key, most in MAXIMA.items():
+        v = getattr(cfg, key)
+        if v > most:
+            raise ConfigError(f"{key!r} is {shown(v)}, over the largest this server takes ({most}); "
+                              f"is this config.json corrupt?")
 
 
 def _first(v: Any) -> Any:

@@ -13,9 +13,9 @@ one block are parallel calls):
 Also accepted: V3.2's block `function_calls`, V4.1's `calls` with spaces after `｜DSML｜`, invokes
 without a block, self-closing tags, a V4.1 invoke body that is one JSON object.
 
-`DSMLStreamParser` (the events and call types are in `calls.py`) is fed text as it is detokenised and emits `ContentDelta`, `ToolCallStart`
-(name first), `ToolCallArgs` (JSON text pieces) and `ToolCallEnd`; `parse_dsml` feeds it the whole
-text. Whatever could still become a tag (`<`, `<｜`, `</｜DSML｜para`, ...) is held back until
+`DSMLStreamParser` (the events and call types are in `calls.py`) is fed text as it is detokenised and
+emits `ContentDelta` as it comes, and each call whole once its invoke closes: `ToolCallStart` (name),
+`ToolCallArgs` (its JSON arguments), `ToolCallEnd`; `parse_dsml` feeds it the whole text. Whatever could still become a tag (`<`, `<｜`, `</｜DSML｜para`, ...) is held back until
 decided, and every `<｜DSML｜...` span is markup, so no DSML fragment reaches content. Whitespace
 just before a block (V4 writes a blank line there) and just after it is dropped from content.
 
@@ -25,15 +25,14 @@ unless the schema allows no string; then the text as JSON if that is not a strin
 integer is 2). `string="false"`: the text as JSON; where the schema allows a string, unparsable
 text (or a non-string where only a string is allowed) is the stripped text as a string; where it
 does not, unparsable text stays a JSON string (so `arguments` is valid JSON) and the call is
-reported malformed (`ToolCall.error`). String values stream as they arrive (JSON-escaped), others
-when their tag closes. An undeclared `arguments`/`parameters`/... parameter holding an object is a
+reported malformed (`ToolCall.error`). An undeclared `arguments`/`parameters`/... parameter holding an object is a
 wrapper: its members become the arguments. `arguments` is `json.dumps` of the object (unicode
 kept), and the streamed pieces concatenate to exactly that string.
 
 Calls to functions not in `tools` are dropped (and listed in `errors`) unless `allow_unknown`. A
-call still open at the end (generation stopped by `length`) is not among `calls`: a stream has
-sent its start, so its arguments are closed to valid JSON, its `ToolCallEnd` carries
-`error="truncated"`, and it is kept in `cut` (a server answers it as streamed).
+call still open at the end (generation stopped by `length`) is not a call: its arguments may
+miss what its schema requires, so no event of it is emitted (streamed and whole agree) and an
+agent that runs `tool_calls` without reading the finish reason never runs it.
 `finish_reason`: "length" then, else "tool_calls" with calls, else None. At the end, a held-back
 `<` or `</` that never became a tag is text, unless the text was cut by its length (`finish(cut=True)`).
 """
@@ -124,14 +123,13 @@ class DSMLStreamParser:
         self._next_index = 0
         self._out: list[Event] = []
         self.calls: list[ToolCall] = []
-        self.cut: list[ToolCall] = []  # a call the end of the text cut off (then finish_reason "length")
+        self._held: list[Event] = []  # the events of the call being parsed, emitted when it closes
         self.errors: list[str] = []
         self.truncated = False
 
     def openai_calls(self) -> list[dict[str, Any]]:
-        """The calls in OpenAI's shape as they were streamed: the complete ones, then one the
-        end cut off (its arguments closed to valid JSON)."""
-        return [c.to_openai() for c in self.calls + self.cut]
+        """The complete calls in OpenAI's shape, as they were streamed."""
+        return [c.to_openai() for c in self.calls]
 
     @property
     def finish_reason(self) -> Optional[str]:
@@ -172,9 +170,20 @@ class DSMLStreamParser:
         return self._take()
 
     def _take(self) -> list[Event]:
-        """The events so far, adjacent content or argument pieces merged."""
-        out: list[Event] = []
+        """The events so far, a call's only once it closed complete (a cut one never), adjacent
+        content or argument pieces merged."""
+        ready: list[Event] = []
         for e in self._out:
+            if not (isinstance(e, ToolCallStart) or self._held):
+                ready.append(e)
+                continue
+            self._held.append(e)
+            if isinstance(e, ToolCallEnd):
+                if e.error != TRUNCATED:
+                    ready += self._held
+                self._held = []
+        out: list[Event] = []
+        for e in ready:
             if out and type(out[-1]) is type(e) and isinstance(e, (ContentDelta, ToolCallArgs)):
                 out[-1] = replace(e, text=out[-1].text + e.text)  # type: ignore[union-attr]
             else:
@@ -353,8 +362,7 @@ class DSMLStreamParser:
             self._args("}")
         error, self._call = error or call.error, None
         self._out.append(ToolCallEnd(call.index, error))
-        if error == TRUNCATED:  # its start and arguments were streamed: kept apart, closed to valid JSON
-            self.cut.append(ToolCall(call.id, call.name, "".join(call.pieces), error))
+        if error == TRUNCATED:  # not a call (`_take` drops its events)
             return
         self.calls.append(ToolCall(call.id, call.name, "".join(call.pieces), error))
         if error:

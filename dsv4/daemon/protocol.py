@@ -13,7 +13,7 @@ Client -> daemon                              daemon -> client
     generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces][, logprobs]
                                                             [, prompt_logprobs]}  (streamed)
               params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec,
-              client, tools}                                compiled, compiled_buckets}
+              client, tools, follows}                       compiled, compiled_buckets}
     cancel   {target: id of a generate}           ok       (cancel, shutdown)
     shutdown                                      error    {code, message}  (id null when unknown)
 
@@ -27,7 +27,9 @@ tools block (`dsv4 run --tools`);
 of stopping it at the model's length (finish_reason "length"). `client` (optional, at most
 MAX_CLIENT_LEN characters) names the end client of a connection that serves several (the
 HTTP front end: an API user); the engine shares its slots fairly between clients, a
-client being a connection and, within it, each `client` name.
+client being a connection and, within it, each `client` name. `follows` (optional) names
+an earlier generate of this client with the same prompt (samples of one prompt: HTTP's `n`):
+the engine starts it once that one's prompt is prefilled, from the prefix cache's blocks.
 A daemon started with an API key (`serve --api-key`) takes only two-frame messages whose
 first frame is KEY_PREFIX + key, compared in constant time before anything else is
 read; anything else gets an `unauthorized` error and nothing more. A daemon without a
@@ -85,6 +87,7 @@ ERR_SHUTTING_DOWN = "shutting_down"
 ERR_INTERNAL = "internal"
 ERR_UNAUTHORIZED = "unauthorized"  # missing or wrong API key
 ERR_BUSY = "busy"  # too many clients or requests; try again later
+ERR_RATE_LIMITED = "rate_limited"  # this client has its most requests in flight; wait for some to end
 
 
 class ProtocolError(Exception):
@@ -142,6 +145,7 @@ class Generate(Request):
     strict_length: bool = False
     client: str | None = None
     tools: list[Any] | None = None  # OpenAI function tools, rendered into a chat prompt (V4's "## Tools")
+    follows: str | None = None  # id of this client's earlier generate of the same prompt (a sibling sample)
 
 
 REQUEST_TYPES: dict[str, type[Request]] = {c.TYPE: c for c in (Ping, Status, Shutdown, Cancel, Generate)}
@@ -158,6 +162,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "strict_length": (bool,),
     "client": (str, type(None)),
     "tools": (list, type(None)),
+    "follows": (str, type(None)),
 }
 
 

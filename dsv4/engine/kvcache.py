@@ -212,7 +212,7 @@ class BlockManager:
         last block boundary before its final token (where the next turn of a conversation, or
         the same prompt again, resumes), and every SAVE_EVERY blocks before it (where prompts
         that share a long document but not its question can resume)."""
-        if not self.caching or req.params.prompt_logprobs is not None:
+        if not self.caching:
             return 0
         last = (req.num_prefill_tokens - 1) // self.block_size * self.block_size
         every = SAVE_EVERY * self.block_size

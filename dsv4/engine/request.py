@@ -63,6 +63,14 @@ class Request:
     cache_counted: bool = False  # its first admission went into the prefix cache's hit rate
     recomputed: int = 0  # outputs its prefill recomputes after a preemption (they stay output)
     block_hashes: list = field(default_factory=list, repr=False)  # chained hashes of its full prefill blocks
+    after: "Request | None" = field(default=None, repr=False)  # a sibling sample with the same prompt
+
+    def waits_for_sibling(self) -> bool:
+        """Whether it must stay queued until `after` (the first sample of its prompt) has
+        prefilled, so that the prefix cache gives it that prefill's blocks (then forgotten)."""
+        if self.after is not None and self.after.status not in (RequestStatus.WAITING, RequestStatus.PREFILL):
+            self.after = None
+        return self.after is not None
 
     @property
     def prefill_ids(self) -> list[int]:

@@ -256,7 +256,8 @@ class Scheduler:
             held[r.client] = held.get(r.client, 0) + 1
         queues: dict[Any, deque[tuple[int, Request]]] = {}
         for pos, r in enumerate(self.waiting):
-            queues.setdefault(r.client, deque()).append((pos, r))
+            if not r.waits_for_sibling():
+                queues.setdefault(r.client, deque()).append((pos, r))
         heap = [(held.get(c, 0), q[0][0], c) for c, q in queues.items()]
         heapq.heapify(heap)  # (slots held, position of its oldest waiting request, client); positions are unique
         admitted: set[int] = set()

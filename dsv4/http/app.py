@@ -48,9 +48,10 @@ from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
 from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from dsv4.http.replies import Replies
-from dsv4.http.submit import DEFAULT_MAX_PROMPTS, client_of, submit
+from dsv4.http.submit import DEFAULT_MAX_PROMPTS, check_output_budget, client_of, submit
 
 MAX_BODY_BYTES = 8 << 20
+RELEASE_BYTES = 4 << 20  # after a larger answer the heap's free pages go back to the system
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -117,6 +118,9 @@ class Api:
         assert self.bridge is not None
         return await submit(self.bridge, parsed, client=client, max_prompts=self.max_prompts,
                             param="messages" if chat else "prompt")
+
+    def _count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text)) if self.tokenizer is not None else len(text.encode())
 
     def _cancel(self, rids: list[str]) -> None:
         for rid in rids:
@@ -192,6 +196,7 @@ class Api:
     # ------------------------------------------------------------------ generation
     async def _serve(self, request: Request, parsed: Parsed, chat: bool, client: str) -> Response:
         t0 = time.monotonic()
+        await check_output_budget(parsed, self.max_model_len, self._count_tokens)
         q, rids = await self._submit(parsed, client, chat)
         index = {rid: i for i, rid in enumerate(rids)}
         run = Replies(parsed, chat, index, t0, model_name=self.model_name, metrics=self.metrics)
@@ -220,8 +225,12 @@ class Api:
         if run.error is not None:
             self._cancel(rids)
             raise run.error
-        if not parsed.stream:
-            return JSONResponse(run.whole())
+        if not parsed.stream:  # rendered once, to bytes; the replies' own copies go with `run`
+            body = json.dumps(run.whole(), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+            run.release()
+            if len(body) > RELEASE_BYTES:
+                asyncio.get_running_loop().call_soon(release_free_memory)  # after this reply goes out
+            return Response(body, media_type="application/json")
         return StreamingResponse(self._sse(q, rids, run, chunks), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
 
@@ -253,6 +262,17 @@ class _ClientGone(Exception):
 async def _disconnected(request: Request) -> None:
     """Returns once the client has disconnected (the ASGI receive after the whole body)."""
     while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def release_free_memory() -> None:
+    """glibc: give the heap's free pages back to the system (a big answer's), so the daemon's
+    memory returns to its level; a no-op elsewhere."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
         pass
 
 

@@ -138,18 +138,20 @@ class Bridge:
 
     async def generate(self, prompt: str | list[int], params: dict[str, Any], *, mode: str = "auto",
                        system: str | None = None, thinking: bool = False, queue: asyncio.Queue | None = None,
-                       strict_length: bool = False, client: str | None = None) -> tuple[str, asyncio.Queue]:
+                       strict_length: bool = False, client: str | None = None, follows: str | None = None
+                       ) -> tuple[str, asyncio.Queue]:
         """Submit a generate request; its replies (delta..., final, or error) arrive on `queue`
         (a new one unless given: several requests may share one). `strict_length`: the daemon
         refuses a max_tokens that does not fit in max_model_len after the prompt. `client`: the
-        end client it counts for in the engine's fair shares. Raises DaemonUnavailable,
+        end client it counts for in the engine's fair shares. `follows`: the id of an earlier
+        generate of the same prompt (a sibling sample; the engine shares its prefill). Raises DaemonUnavailable,
         MessageTooLarge or DaemonBusy, with nothing sent."""
         if not self.alive:
             raise DaemonUnavailable("the dsv4 engine is not answering (loading, busy or stopped)")
         rid = self.new_id()
         q: asyncio.Queue = queue if queue is not None else asyncio.Queue()
         msg = P.Generate(rid, prompt=prompt, mode=mode, system=system, thinking=thinking, params=params,
-                         strict_length=strict_length, client=client).to_wire()
+                         strict_length=strict_length, client=client, follows=follows).to_wire()
         self._queues[rid] = q  # before the send: a reply may come before this task resumes
         try:
             await self._send(msg, self.send_wait_s)

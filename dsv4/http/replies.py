@@ -3,9 +3,10 @@
 Per choice, the text goes through two splitters in turn: `ReasoningSplitter` (thinking
 mode: before `</think>` is `reasoning_content`) and, when the request renders tools, the
 DSML tool-call parser (`dsv4.agents.dsml`): what the model writes as a
-`<｜DSML｜tool_calls>` block becomes `tool_calls` (streamed as `delta.tool_calls`: the
-name first, then the arguments in pieces) and never reaches `content`. A choice with
-complete calls finishes with `tool_calls`; one whose text ended inside a call with `length`.
+`<｜DSML｜tool_calls>` block becomes `tool_calls` (streamed as `delta.tool_calls`:
+each call whole once its invoke closes) and never reaches `content`. A choice with
+complete calls finishes with `tool_calls`; one whose text ended inside a call with `length`,
+without that call.
 Logprobs, when asked, ride with the text they belong to (`dsv4.http.logprobs`): a stream
 chunk carries the entries of the tokens received since the last chunk; `echo` puts the
 prompt (its text, and its tokens' logprobs) before a completion's answer.
@@ -23,7 +24,7 @@ from dsv4.http import logprobs as L
 from dsv4.http.requests import ApiError, Parsed
 from dsv4.http.stream import ReasoningSplitter
 
-_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_INTERNAL: 500}
+_DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_RATE_LIMITED: 429, P.ERR_INTERNAL: 500}
 
 
 def daemon_error(msg: dict[str, Any]) -> ApiError:
@@ -76,6 +77,13 @@ class Replies:
         # completions with echo: the prompt's text until it is sent (a token-id prompt's comes with its logprobs)
         self.echo_text: list[str | None] = [p if parsed.echo and isinstance(p, str) else None
                                             for p in (self.prompt_of(i) for i in range(n))]
+        # The n samples of a prompt: only the first (its "leader") asks the engine for the prompt's
+        # logprobs (`submit.sample_params`); its siblings take them from it, and a sibling's replies
+        # that come before them wait here (its chunks keep their order).
+        shares = "prompt_logprobs" in parsed.params and parsed.n > 1
+        self.wants_prompt = [shares and i % parsed.n > 0 for i in range(n)]
+        self.prompt_raw: list[list | None] = [None] * n  # a leader's prompt entries, as the daemon sent them
+        self.deferred: list[list[dict[str, Any]]] = [[] for _ in range(n)]
 
     def prompt_of(self, i: int) -> str | list[int]:
         """The prompt of choice i (choices are prompt-major: n samples of each)."""
@@ -89,6 +97,22 @@ class Replies:
             if msg["type"] == "error" and rid is None:
                 self.error = daemon_error(msg)
             return []
+        if self.wants_prompt[i] and msg["type"] != "error":
+            leader = i - i % self.parsed.n
+            if self.prompt_raw[leader] is None:  # its leader's prompt logprobs are not here yet
+                self.deferred[i].append(msg)
+                return []
+            self.wants_prompt[i] = False
+            msg = {**msg, "prompt_logprobs": self.prompt_raw[leader]}
+        chunks = self._take(i, rid, msg)
+        if i % self.parsed.n == 0 and self.prompt_raw[i] is not None:  # a leader's: its siblings may go on
+            for j in range(i + 1, i + self.parsed.n):
+                waiting, self.deferred[j] = self.deferred[j], []
+                for held in waiting:
+                    chunks += self.take(held)
+        return chunks
+
+    def _take(self, i: int, rid: str, msg: dict[str, Any]) -> list[dict[str, Any]]:
         now = time.monotonic()
         m = self.metrics
         if msg["type"] == "error" or (msg["type"] == "final" and msg.get("finish_reason") in ("error", "abort")):
@@ -120,6 +144,8 @@ class Replies:
     def _logprobs(self, i: int, msg: dict[str, Any]) -> None:
         """Take a delta's logprobs (and, with echo, the prompt's) into choice i."""
         prompt = msg.get("prompt_logprobs")
+        if prompt is not None:
+            self.prompt_raw[i] = prompt
         if prompt is not None and self.parsed.prompt_logprobs is not None:
             self.prompt_lp[i], self.prompt_lp_unsent[i] = L.vllm_prompt(prompt, self.parsed.prompt_logprobs), True
         if self.parsed.echo and prompt is not None and not isinstance(self.prompt_of(i), str):
@@ -191,6 +217,13 @@ class Replies:
         cached = sum(self.cached_tokens[::self.parsed.n])
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def release(self) -> None:
+        """Drop the text and logprobs gathered (after `whole()` was rendered)."""
+        n = len(self.index)
+        self.content, self.reasoning = [""] * n, [""] * n
+        self.lp_all = self.lp_new = [None] * n
+        self.prompt_lp = self.prompt_raw = [None] * n
 
     def whole(self) -> dict[str, Any]:
         choices = []

@@ -28,6 +28,10 @@ from dsv4.http.requests import ApiError, Parsed
 
 DEFAULT_MAX_PROMPTS = 64
 MAX_USER_CHARS = 128
+# Logprob entries one request may ask for (each a top token of a position, or its own): its
+# samples' tokens x (1 + logprobs), echoed prompts, prompt_logprobs, for every choice. At ~30-80
+# bytes each in JSON, ~10-20 MB of answer at most.
+MAX_LOGPROB_ENTRIES = 1 << 18
 
 
 def client_of(request: Any, body: dict[str, Any]) -> str:
@@ -37,6 +41,41 @@ def client_of(request: Any, body: dict[str, Any]) -> str:
         return "user:" + user[:MAX_USER_CHARS]
     peer = getattr(request, "client", None)
     return "peer:" + (peer.host if peer is not None and peer.host else "unknown")
+
+
+def logprob_entries(parsed: Parsed, prompt_len: int, max_model_len: int) -> int:
+    """The logprob entries the n choices of one prompt of `prompt_len` tokens may carry."""
+    lp, plp = parsed.logprobs, parsed.prompt_logprobs
+    if lp is None and plp is None:
+        return 0
+    mt = parsed.params.get("max_tokens")
+    out = mt if isinstance(mt, int) else max(0, max_model_len - prompt_len)
+    per = 0
+    if lp is not None:
+        per += (out + (prompt_len if parsed.echo else 0)) * (1 + lp)
+    if plp is not None:
+        per += prompt_len * (1 + plp)
+    return parsed.n * per
+
+
+async def check_output_budget(parsed: Parsed, max_model_len: int, count_tokens: Any) -> None:
+    """400 when the request may answer more than MAX_LOGPROB_ENTRIES logprob entries. Text
+    prompts are counted by their bytes first (at least one each per token) and tokenized
+    (`count_tokens`, on a worker thread) only when that bound is over the limit."""
+    def total(lengths: list[int]) -> int:
+        return sum(logprob_entries(parsed, min(n, max_model_len), max_model_len) for n in lengths)
+
+    lengths = [len(p) if isinstance(p, list) else len(p.encode("utf-8", "surrogatepass")) for p in parsed.prompts]
+    if total(lengths) <= MAX_LOGPROB_ENTRIES:
+        return
+    exact = [len(p) if isinstance(p, list) else await asyncio.to_thread(count_tokens, p) for p in parsed.prompts]
+    asked = total(exact)
+    if asked > MAX_LOGPROB_ENTRIES:
+        what = "max_tokens" if "max_tokens" in parsed.params else "no max_tokens (the context's length)"
+        raise ApiError(400, f"the request may answer {asked} logprob entries (n = {parsed.n}, {what}, logprobs, "
+                            f"echo and prompt_logprobs, for every choice), over the limit of {MAX_LOGPROB_ENTRIES} "
+                            f"per request; ask for fewer samples, tokens or logprobs",
+                       "logprobs" if parsed.logprobs is not None else "prompt_logprobs")
 
 
 def check_prompt_count(parsed: Parsed, max_prompts: int) -> None:
@@ -51,10 +90,14 @@ def check_prompt_count(parsed: Parsed, max_prompts: int) -> None:
 
 def sample_params(params: dict[str, Any], j: int) -> dict[str, Any]:
     """The parameters of sample j of a prompt: a seed s gives its samples s, s + 1, ... (the
-    same answers for the same request, different ones for its samples)."""
-    if j == 0 or params.get("seed") is None:
+    same answers for the same request, different ones for its samples). Only sample 0 asks
+    for the prompt's logprobs: its siblings share them (`Replies`), as they share its prefill."""
+    if j == 0:
         return params
-    return {**params, "seed": (int(params["seed"]) + j) % (1 << 64)}
+    out = {k: v for k, v in params.items() if k != "prompt_logprobs"}
+    if params.get("seed") is not None:
+        out["seed"] = (int(params["seed"]) + j) % (1 << 64)
+    return out
 
 
 async def submit(bridge: Bridge, parsed: Parsed, *, client: str, max_prompts: int, param: str = "prompt"
@@ -66,11 +109,14 @@ async def submit(bridge: Bridge, parsed: Parsed, *, client: str, max_prompts: in
     rids: list[str] = []
     try:
         for prompt in parsed.prompts:
-            for j in range(parsed.n):  # n samples, each its own request (no shared prefill yet)
+            first = None
+            for j in range(parsed.n):  # n samples: the siblings of the first start from its prefill
                 # an explicit max_tokens must fit (400 otherwise); without one, generation stops at the model's length
                 rid, _ = await bridge.generate(prompt, sample_params(parsed.params, j), mode=parsed.mode,
                                                thinking=parsed.thinking, queue=q,
-                                               strict_length="max_tokens" in parsed.params, client=client)
+                                               strict_length="max_tokens" in parsed.params, client=client,
+                                               follows=first)
+                first = first or rid
                 rids.append(rid)
     except BaseException as e:
         for rid in rids:

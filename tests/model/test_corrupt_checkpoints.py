@@ -125,3 +125,18 @@ def test_checks_are_cheap_helpers_that_pass_good_data(good: Path) -> None:
     with pytest.raises(CheckpointError, match="expert id 8"):
         check_tid2eid({"layers.0.ffn.gate.tid2eid": torch.tensor([[0, 8]])}, 8)
     assert json.loads((good / "config.json").read_text())["n_routed_experts"] == 8
+
+
+@pytest.mark.parametrize("change", [{"vocab_size": 10**12, "hidden_size": 10**7}, {"n_routed_experts": 10**9},
+                                    {"moe_intermediate_size": 2**40}, {"max_position_embeddings": 2**62}])
+def test_absurd_sizes_in_config_json_are_refused_before_any_tensor(good: Path, tmp_path: Path, change, monkeypatch,
+                                                                   capsys) -> None:
+    """Sizes that would overflow a tensor's storage (or exceed any machine) are one line naming
+    the key, before a tensor is built: never 'internal error: ... Storage size calculation overflowed'."""
+    bad = copy_of(good, tmp_path / "absurd")
+    cfg = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, **change}))
+    code, err = cli_run_local(bad, monkeypatch, capsys)
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and "internal error" not in err, err
+    assert next(iter(change)) in err and "over the largest this server takes" in err, err

@@ -55,8 +55,7 @@ def test_thinking_prints_its_reasoning_and_the_tag(capsys) -> None:
 def test_a_cut_call_finishes_with_length(capsys) -> None:
     _drive("Ok." + BLOCK[:BLOCK.index("Paris") + 2], as_json=True, reason="length")
     r = json.loads(capsys.readouterr().out)
-    assert r["finish_reason"] == "length" and r["content"] == "Ok."
-    assert json.loads(r["tool_calls"][0]["function"]["arguments"]) == {"city": "Pa"}
+    assert r["finish_reason"] == "length" and r["content"] == "Ok." and r["tool_calls"] == []  # not a call
 
 
 def test_without_a_call_the_answer_is_plain(capsys) -> None:

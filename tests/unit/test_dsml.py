@@ -141,14 +141,14 @@ def test_unknown_function_reported_or_allowed():
     assert parse_dsml(text, None).calls == []
 
 
-def test_truncated_stream_closes_arguments():
+def test_a_truncated_call_is_not_a_call():
+    """Cut inside its invoke, a call may miss what its schema requires: no event of it at all,
+    so streamed and whole agree, and finish_reason says length."""
     p = DSMLStreamParser(TOOLS)
-    events = p.feed(block(invoke("get_weather", param("days", "2", False), param("city", "Ber")))[:-30])
+    events = p.feed("Sure." + block(invoke("get_weather", param("days", "2", False), param("city", "Ber")))[:-30])
     events += p.finish()
-    assert isinstance(events[-1], ToolCallEnd) and events[-1].error == TRUNCATED
-    args = "".join(e.text for e in events if isinstance(e, ToolCallArgs))
-    assert json.loads(args) == {"days": 2, "city": "Ber"}
-    assert p.finish_reason == "length" and p.calls == []
+    assert [type(e) for e in events] == [ContentDelta] and events[0].text == "Sure."
+    assert p.finish_reason == "length" and p.calls == [] and p.openai_calls() == []
 
 
 def stream(text, cuts, tools=TOOLS, cut=False):
@@ -181,7 +181,8 @@ def check_stream(text, cuts, cut=False):
     ref = parse_dsml(text, TOOLS, cut=cut)
     content, calls, _, pieces = stream(text, cuts, cut=cut)
     assert content == ref.content
-    assert [c for c in calls if c[2] != TRUNCATED] == [(c.name, c.arguments, c.error) for c in ref.calls]
+    assert calls == [(c.name, c.arguments, c.error) for c in ref.calls]
+    assert all(c[2] != TRUNCATED for c in calls)
     # '<' or '</' may end a piece once the next character (whitespace, held) decided them
     prefixes = {o[:n] for o in ("<" + D, "</" + D) for n in range(2, len(o) + 1)} - {"</"}
     for piece in pieces:
@@ -224,14 +225,15 @@ def test_every_prefix_is_safe():
         check_stream(text[:k], [k // 2], cut=True)
 
 
-def test_name_first_then_argument_pieces():
+def test_a_call_streams_whole_when_its_invoke_closes():
     text = block(invoke("get_weather", param("city", "Paris"), param("days", "2", False)))
-    _, calls, events, _ = stream(text, range(len(text)))
-    kinds = [type(e).__name__ for e in events]
-    assert kinds[0] == "ToolCallStart" and kinds[-1] == "ToolCallEnd"
-    args = [e.text for e in events if isinstance(e, ToolCallArgs)]
-    assert len(args) > 3 and "".join(args) == '{"city": "Paris", "days": 2}'
-    assert any(a.endswith('"Pa') or a == "P" for a in args)  # the string streams as it comes
+    close = text.index("</" + D + "invoke>")
+    p = DSMLStreamParser(TOOLS)
+    before = [e for k in range(close) for e in p.feed(text[k])]
+    assert before == []  # nothing of it while it may still be cut
+    events = p.feed(text[close:]) + p.finish()
+    assert [type(e).__name__ for e in events] == ["ToolCallStart", "ToolCallArgs", "ToolCallEnd"]
+    assert events[0].name == "get_weather" and events[1].text == '{"city": "Paris", "days": 2}'
 
 
 def test_a_trailing_lt_is_text_and_a_cut_opener_is_not():
@@ -247,11 +249,10 @@ def test_a_trailing_lt_is_text_and_a_cut_opener_is_not():
     assert r.content == "x" and r.finish_reason == "length"
 
 
-def test_a_call_cut_by_the_end_is_kept_apart_as_streamed():
-    text = "Sure." + block(invoke("get_weather", param("city", "Paris"), param("days", "2", False)))
-    cut = text[:text.index("Paris") + 3]
+def test_a_call_cut_by_the_end_after_a_complete_one_keeps_only_the_complete_one():
+    text = "Sure." + block(WEATHER, invoke("get_weather", param("city", "Berlin"), param("days", "2", False)))
+    cut = text[:text.index("Berlin") + 3]
     p = DSMLStreamParser(TOOLS)
     events = p.feed(cut) + p.finish()
-    assert p.calls == [] and [c.name for c in p.cut] == ["get_weather"] and p.finish_reason == "length"
-    streamed = "".join(e.text for e in events if isinstance(e, ToolCallArgs))
-    assert p.cut[0].arguments == streamed and json.loads(streamed) == {"city": "Par"}
+    assert len(p.calls) == 1 and p.finish_reason == "length"
+    assert [e.index for e in events if isinstance(e, ToolCallStart)] == [0]

@@ -100,6 +100,8 @@ def test_saved_rings_are_kept_up_to_max_saved_lru():
 
 
 def test_admission_counts_the_whole_prefill_and_prompt_logprobs_skip_the_cache():
+    """A request asking for its prompt's logprobs computes its whole prompt (no hit), but saves
+    its rings like any other: the sibling samples of its prompt start from them."""
     kv = BlockManager(3, B)
     assert not kv.admit(_req(list(range(12))), 0)  # 13 positions: 4 blocks > 3
     assert kv.available == 3 and kv.queries == 0
@@ -107,7 +109,7 @@ def test_admission_counts_the_whole_prefill_and_prompt_logprobs_skip_the_cache()
     _prefill(kv, a, 0)
     kv.release(0)
     lp = _req(list(range(10)), prompt_logprobs=0)
-    assert kv.admit(lp, 1) and lp.num_cached_tokens == 0 and kv.save_point(lp) == 0
+    assert kv.admit(lp, 1) and lp.num_cached_tokens == 0 and kv.save_point(lp) == (10 - 1) // B * B > 0
 
 
 def test_a_long_prefill_saves_every_save_every_blocks_and_at_its_last_boundary():
