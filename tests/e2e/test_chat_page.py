@@ -104,19 +104,13 @@ def browser() -> Iterator[WebDriver]:
                 f"--host-resolver-rules=MAP {REBIND} 127.0.0.1"):
         opts.add_argument(arg)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    old = os.environ.get("SE_OFFLINE")
-    os.environ["SE_OFFLINE"] = "true"  # never let selenium-manager look for downloads
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)  # a driver path: no selenium-manager
     try:
         driver.set_script_timeout(30)
         yield driver
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
-        if old is None:
-            os.environ.pop("SE_OFFLINE", None)
-        else:
-            os.environ["SE_OFFLINE"] = old
 
 
 # ---------------------------------------------------------------------- helpers
