@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/venv.sh test >&2
+scripts/browser.sh  # chromium for the chat page's tests (a no-op when installed; they skip without it)
 py="${DSV4_VENV:-.venv}/bin/python"
 if [ "$#" -gt 0 ]; then
   exec "$py" -m pytest "$@"

@@ -89,7 +89,8 @@ Socket = Annotated[Optional[str], typer.Option(
 Http = Annotated[Optional[str], typer.Option(
     "--http", metavar="HOST:PORT",
     help="Also serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
-         "/health, /metrics) on HOST:PORT; a host other than loopback needs --api-key [default: off]")]
+         "/health, /metrics) and a chat page (/) on HOST:PORT; a host other than loopback needs --api-key "
+         "[default: off]")]
 MaxPrompts = Annotated[Optional[int], typer.Option(
     "--max-prompts-per-request", metavar="N", callback=int_range(1, 1024),
     help="With --http: most prompts one /v1/completions request may list (more: 400), so one request "

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/models, /v1/completions, /v1/chat/completions,
-/health, /metrics, and vLLM's /tokenize and /detokenize. What clients may rely on is in the README,
-"OpenAI-compatible HTTP API".
+/health, /metrics, and vLLM's /tokenize and /detokenize; and the chat page at / (`dsv4.http.page`).
+What clients may rely on is in the README, "OpenAI-compatible HTTP API".
 
 Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
 (one DEALER for the whole app); the reply queue is read until the final message.
@@ -46,6 +46,7 @@ from starlette.routing import Route
 from dsv4.http.bridge import Bridge, DaemonUnavailable
 from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
+from dsv4.http.page import routes as page_routes
 from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from dsv4.http.replies import Replies
 from dsv4.http.submit import DEFAULT_MAX_PROMPTS, check_output_budget, client_of, submit
@@ -302,6 +303,7 @@ def build_app(api: Api) -> Starlette:
         Route("/detokenize", api.detokenize, methods=["POST"]),
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics_endpoint, methods=["GET"]),
+        *page_routes(),
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -130,8 +130,9 @@ class HttpServer:
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="dsv4-http", daemon=True)
         self._thread.start()
-        log.info("OpenAI-compatible HTTP API on http://%s/v1 (%s); at most %d HTTP connections", self.address,
-                 "API key required" if self.api_key else "no API key", self.max_connections)
+        log.info("OpenAI-compatible HTTP API on http://%s/v1 (%s), chat page at http://%s/; at most %d HTTP "
+                 "connections", self.address, "API key required" if self.api_key else "no API key", self.address,
+                 self.max_connections)
 
     def descriptors_reserved(self) -> int:
         """Descriptors HTTP may still take beyond those it has open now (its cap plus an accept burst)."""
