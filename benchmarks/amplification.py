@@ -60,7 +60,7 @@ def main() -> None:
                                                                     os.environ.get("PYTHONPATH")) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "dsv4.cli.main", "serve", "--model", str(model), "--socket",
                              f"ipc://{work}/s.sock", "--http", f"127.0.0.1:{a.port}", "--num-speculative-tokens",
-                             "0", "--no-compile"], env=env, stderr=open(work / "serve.log", "wb"))
+                             "0", "--no-compile"], env=env, cwd=work, stderr=open(work / "serve.log", "wb"))
     try:
         for _ in range(600):
             try:
