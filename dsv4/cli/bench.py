@@ -210,7 +210,7 @@ def bench(
     num_speculative_tokens: O.NumSpec = None, threads: O.Threads = None, quantization: O.Quantization = None,
     compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, tensor_parallel_size: O.TensorParallel = None,
-    draft_vocab: O.DraftVocab = None,
+    draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
 ) -> None:
     levels = _int_list("--concurrency", concurrency)
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
@@ -223,12 +223,15 @@ def bench(
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
         threads=threads, quantization=quantization, compile=compile,
         kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-        tensor_parallel_size=tensor_parallel_size, draft_vocab=draft_vocab)
+        tensor_parallel_size=tensor_parallel_size, draft_vocab=draft_vocab, revision=revision)
     from dsv4.daemon.paths import resolve_endpoint
 
     if http is not None and local:
         raise CliError("--http and --local are two different targets; give one", O.EXIT_USAGE)
     if local:
+        from dsv4.cli.hub import fetch_model
+
+        fetch_model(engine)  # --model ORG/NAME: pulled when missing, then found in the cache
         O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     if http is not None:
         from dsv4.cli.bench_http import HttpBackend

@@ -61,7 +61,7 @@ def draft_vocab(
     out: Annotated[Path, typer.Option("--out", metavar="FILE", show_default=False,
                                       help="Where to write the draft vocabulary (JSON); name it draft_vocab.json "
                                            "in the checkpoint directory to serve with it by default.")],
-    model: O.Model = None,
+    model: O.Model = None, revision: O.Revision = None,
     size: Annotated[Optional[int], typer.Option(
         "--size", metavar="N", callback=O.int_range(1),
         help="Tokens to keep [default: a quarter of the vocabulary]")] = None,
@@ -75,7 +75,14 @@ def draft_vocab(
     from dsv4.config import ModelConfig
     from dsv4.engine.tokenizer import Tokenizer
 
-    model_dir = Path(model) if model is not None else DEFAULT_MODEL
+    if model is not None:
+        from dsv4.cli.hub import model_dir as resolve_dir
+
+        model_dir = resolve_dir(model, revision)
+    elif revision is not None:
+        raise CliError("--revision applies to a hub model: give --model ORG/NAME", O.EXIT_USAGE)
+    else:
+        model_dir = DEFAULT_MODEL
     if out.exists() and not force:
         raise CliError(f"--out {out} exists; give --force to replace it", O.EXIT_USAGE)
     cfg = ModelConfig.from_dir(model_dir)

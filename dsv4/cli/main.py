@@ -1,4 +1,4 @@
-"""The `dsv4` command: serve, run, chat, status, stop, bench, convert, draft-vocab.
+"""The `dsv4` command: serve, run, chat, status, stop, bench, convert, draft-vocab, pull, models.
 
 `main()` is the console entry point. It maps every failure to one stderr line and an
 exit status (0 ok, 1 error, 2 usage, 69 daemon unreachable, 75 timeout, 130
@@ -13,7 +13,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -27,6 +27,7 @@ from dsv4.cli import options as O
 from dsv4.cli.bench import bench
 from dsv4.cli.chat import chat
 from dsv4.cli.draft_vocab import draft_vocab
+from dsv4.cli.hub import fetch_model, model_dir, models, pull
 from dsv4.cli.run import run
 from dsv4.cli.options import CliError
 from dsv4.daemon.paths import resolve_endpoint
@@ -68,8 +69,9 @@ def serve(
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
     compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
-    enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None,
-    grammar_compile_timeout: O.GrammarTimeout = None, nnodes: O.NNodes = None, node_rank: O.NodeRank = None, master_addr: O.MasterAddr = None,
+    enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
+    grammar_compile_timeout: O.GrammarTimeout = None, nnodes: O.NNodes = None, node_rank: O.NodeRank = None,
+    master_addr: O.MasterAddr = None,
     master_port: O.MasterPort = None, rendezvous_timeout: O.RendezvousTimeout = None, socket: O.Socket = None,
     http: O.Http = None, max_prompts_per_request: O.MaxPrompts = None,
     allowed_hosts: O.AllowedHosts = None, allowed_origins: O.AllowedOrigins = None, api_key: O.ApiKey = None,
@@ -86,17 +88,20 @@ def serve(
                          enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
                          kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-                         draft_vocab=draft_vocab, grammar_compile_timeout=grammar_compile_timeout,
+                         draft_vocab=draft_vocab, revision=revision, grammar_compile_timeout=grammar_compile_timeout,
                          tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
                          master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
     if detach and O.under_torchrun():
         raise CliError("--detach cannot be used under torchrun (it supervises the ranks); serve in the foreground",
                        O.EXIT_USAGE)
+    if O.under_torchrun():
+        fetch_model(kw)  # every rank: a hub model missing from this host's cache is pulled (file locks share it)
     O.torchrun_follower(kw)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     endpoint = resolve_endpoint(socket)
     if O.check_listen_key(endpoint, api_key):
         O.err(f"dsv4: warning: serving on {endpoint} without --api-key: any local user can use the daemon")
     paths.ensure_private_dir(paths.state_dir(endpoint))  # refuses a directory another user controls
+    fetch_model(kw)  # --model ORG/NAME: pulled when missing (as vLLM does), then found in the cache
     config = O.build_config(kw)  # validation only: no weights are read
     http_server = None
     if http is not None:
@@ -191,12 +196,17 @@ def stop(
 
 @app.command(short_help="Convert a checkpoint to w8a8 once, ahead of serving it.")
 def convert(
-    src: Annotated[Path, typer.Argument(metavar="SRC", help="Checkpoint directory to convert (official layout).")],
+    src: Annotated[str, typer.Argument(metavar="SRC", show_default=False,
+                                       help="Checkpoint directory to convert (official layout), or a hub model "
+                                            "ORG/NAME (pulled when missing).")],
     dst: Annotated[Path, typer.Argument(metavar="DST", help="New directory to write the converted checkpoint to.")],
     quantization: Annotated[str, typer.Option("--quantization", metavar="FORMAT",
                                               help="Format to write: w8a8 (int8 weights per row).")] = "w8a8",
     shard_size: Annotated[float, typer.Option("--shard-size", metavar="GB", min=0.0001,
                                               help="Largest shard file, in GB.")] = 4.0,
+    revision: Annotated[Optional[str], typer.Option(
+        "--revision", metavar="REV", show_default=False,
+        help="With SRC ORG/NAME: the branch, tag or commit of the hub model [default: main]")] = None,
 ) -> None:
     """Convert a checkpoint (e.g. to w8a8) once, so that loading it needs no conversion work."""
     from dsv4.config import ConfigError
@@ -204,9 +214,10 @@ def convert(
     from dsv4.model.checkpoint import CheckpointError
     from dsv4.model.convert import convert_checkpoint
 
+    src_dir = model_dir(src, revision, "SRC")
     progress = ProgressBar("converting")
     try:
-        counts = convert_checkpoint(src, dst, quantization=quantization, shard_bytes=int(shard_size * 1e9),
+        counts = convert_checkpoint(src_dir, dst, quantization=quantization, shard_bytes=int(shard_size * 1e9),
                                     progress=progress)
     except (CheckpointError, ConfigError) as e:
         raise CliError(str(e)) from None
@@ -215,6 +226,13 @@ def convert(
     O.err(f"dsv4: wrote {dst} ({quantization}; {counts})")
 
 
+app.command("pull", short_help="Download a model from the Hugging Face hub into its cache.",
+            help="Download a hub model ORG/NAME into the Hugging Face hub cache (HF_HUB_CACHE): only the files "
+                 "dsv4 reads, resuming an interrupted download, every file's hash checked against the hub's; "
+                 "prints the snapshot's directory.")(pull)
+app.command("models", short_help="List the models in the Hugging Face hub cache.",
+            help="List the models in the Hugging Face hub cache: revision, size on disk, weight format, stored "
+                 "weight bytes and whether they fit the memory available now.")(models)
 app.command("draft-vocab", short_help="Write the MTP's draft vocabulary from text.",
             help="Rank the tokens of TEXT by frequency and write the MTP's draft vocabulary to --out "
                  "(serve with --draft-vocab FILE, or name it draft_vocab.json in the checkpoint).")(draft_vocab)
@@ -237,6 +255,9 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
     ranks = sys.modules.get("dsv4.engine.ranks")  # loaded only if ranks ran (it imports torch)
 
     if isinstance(e, CliError):
+        return e.code, str(e)
+    hub = sys.modules.get("dsv4.hub.cache")  # loaded when a hub model was named
+    if hub is not None and isinstance(e, hub.HubError):
         return e.code, str(e)
     if ranks is not None and isinstance(e, ranks.RankError):
         return O.EXIT_ERROR, str(e)

@@ -115,10 +115,14 @@ Tools = Annotated[Optional[str], typer.Option(
 ToolChoice = Annotated[str, typer.Option(
     "--tool-choice", metavar="CHOICE", help="With --tools: auto (the model decides), none (tools not rendered), "
     "required or a function's name (a call forced by a grammar).")]
-Model = Annotated[Optional[Path], typer.Option(
-    "--model", metavar="DIR", rich_help_panel=ENGINE_PANEL,
-    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json) [default: the embedded "
-         "tiny-shakespeare model]")]
+Model = Annotated[Optional[str], typer.Option(
+    "--model", metavar="DIR|ORG/NAME", rich_help_panel=ENGINE_PANEL, show_default=False,
+    help="Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a Hugging Face hub model "
+         "ORG/NAME: its snapshot in the hub cache, pulled first when missing (as 'dsv4 pull'; not with "
+         "HF_HUB_OFFLINE=1); a directory of that name wins [default: the embedded tiny-shakespeare model]")]
+Revision = Annotated[Optional[str], typer.Option(
+    "--revision", metavar="REV", rich_help_panel=ENGINE_PANEL, show_default=False,
+    help="With --model ORG/NAME: the branch, tag or commit of the hub model [default: main]")]
 Device = Annotated[Optional[str], typer.Option(
     "--device", metavar="DEVICE", rich_help_panel=ENGINE_PANEL, help="cpu, cuda, cuda:N or npu [default: cpu]")]
 Dtype = Annotated[Optional[str], typer.Option(
@@ -213,7 +217,7 @@ ENGINE_FLAGS = {
     "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
-    "draft_vocab": "--draft-vocab", "grammar_compile_timeout": "--grammar-compile-timeout",
+    "draft_vocab": "--draft-vocab", "revision": "--revision", "grammar_compile_timeout": "--grammar-compile-timeout",
 }
 
 
@@ -231,8 +235,11 @@ def compile_default() -> bool | str:
 
 def engine_kwargs(**given: Any) -> dict[str, Any]:
     """EngineConfig keyword arguments from the flags given (None = not given); --model defaults to the asset,
-    --compile to `compile_default()`. Paths are made absolute (a detached daemon runs in `/`)."""
+    --compile to `compile_default()`. Paths are made absolute (a detached daemon runs in `/`); a --model that
+    is not a directory is left as it is (a hub model ORG/NAME: `dsv4.cli.hub.fetch_model` pulls it)."""
     kw = {k: (str(v.absolute()) if isinstance(v, Path) else v) for k, v in given.items() if v is not None}
+    if "model" in kw and Path(kw["model"]).expanduser().exists():  # a directory; else maybe a hub model ORG/NAME
+        kw["model"] = str(Path(kw["model"]).expanduser().absolute())
     if "draft_vocab" in kw:  # a file, made absolute (a string: auto and off are words)
         word = kw["draft_vocab"].strip()
         kw["draft_vocab"] = word if word in ("auto", "off") else str(Path(word).expanduser().absolute())

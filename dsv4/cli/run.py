@@ -82,7 +82,7 @@ def run(
     num_speculative_tokens: O.NumSpec = None, profile: O.Profile = None, threads: O.Threads = None,
     quantization: O.Quantization = None, compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, tensor_parallel_size: O.TensorParallel = None,
-    draft_vocab: O.DraftVocab = None,
+    draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
 ) -> None:
     local = local or O.under_torchrun()  # under torchrun every process is a rank of one engine
     engine = O.local_engine_kwargs(
@@ -91,11 +91,14 @@ def run(
         enable_chunked_prefill=enable_chunked_prefill, num_speculative_tokens=num_speculative_tokens,
         profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
         kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
-        tensor_parallel_size=tensor_parallel_size, draft_vocab=draft_vocab)
+        tensor_parallel_size=tensor_parallel_size, draft_vocab=draft_vocab, revision=revision)
     if raw and (system is not None or think or tools is not None):
         raise CliError("--system, --think and --tools need the chat template; drop --raw", O.EXIT_USAGE)
     tool_list, choice = O.read_tool_options(tools, tool_choice)
     if local:
+        from dsv4.cli.hub import fetch_model
+
+        fetch_model(engine)  # --model ORG/NAME: pulled when missing, then found in the cache
         O.torchrun_follower(engine)  # under torchrun, RANK > 0 follows rank 0's steps here and exits
     params: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": ignore_eos, "speculative": not no_mtp}
     given = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,

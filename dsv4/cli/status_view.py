@@ -13,7 +13,7 @@ KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "up
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
          "memory_rss_bytes", "compiled", "compiled_buckets", "compile_building", "max_model_len", "preemptions",
          "blocks", "block_size", "free_blocks", "cached_blocks", "prefix_cache_queries", "prefix_cache_hits",
-         "prefix_cache_hit_rate"}
+         "prefix_cache_hit_rate", "model_id", "revision"}
 
 
 def _bytes(n: Any) -> str:
@@ -64,6 +64,13 @@ def _pool(st: dict[str, Any]) -> str:
             f"{st.get('preemptions', 0)} preemptions")
 
 
+def _model(st: dict[str, Any]) -> str:
+    """The model's directory, or "ORG/NAME@COMMIT (directory)" for a hub model."""
+    if st.get("model_id"):
+        return f"{st['model_id']}@{str(st.get('revision') or '?')[:12]} ({st.get('model')})"
+    return str(st.get("model"))
+
+
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     out: list[tuple[str, Any]] = []
     for k in sorted(d):
@@ -90,7 +97,7 @@ def status_lines(st: dict[str, Any]) -> list[str]:
     lines = [
         ("daemon", f"pid {st.get('pid')}, dsv4 {st.get('version')} (protocol {st.get('protocol')}), "
                    f"up {_uptime(up)}, {st.get('endpoint')}"),
-        ("model", f"{st.get('model')} (vocabulary {st.get('vocab_size')}), {st.get('device')} {st.get('dtype')}, "
+        ("model", _model(st) + f" (vocabulary {st.get('vocab_size')}), {st.get('device')} {st.get('dtype')}, "
                   f"MTP K = {st.get('num_speculative_tokens')}"),
         ("compiled", _compiled(st)),
         ("requests", f"{st.get('running')} running, {st.get('waiting')} waiting, {st.get('in_flight')} in flight "

@@ -242,11 +242,11 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
             from dsv4.http.server import model_tokenizer
 
             ctx = zmq.Context()
-            http.start(ctx, model_name=Path(config.model).name, model_path=str(config.model),
+            http.start(ctx, model_name=config.served_model_name, model_path=str(config.model),
                        max_model_len=config.max_model_len, tokenizer=model_tokenizer(config.model))
         t0 = time.monotonic()
         engine = load_engine(config)
-        model_name = Path(config.model).name
+        model_name = config.served_model_name
         log.info("dsv4 %s: model %s loaded in %.1f s", __version__, config.model, time.monotonic() - t0)
         for line in config.banner_lines():
             log.info("%s", line)

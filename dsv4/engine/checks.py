@@ -77,17 +77,25 @@ def check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
         raise EngineConfigError(f"{flag} must be {what}{extra}, got {value!r}")
 
 
-def check_model_dir(model: Any) -> str:
+def check_model_dir(model: Any, revision: Any = None) -> tuple[str, Any]:
+    """--model (and --revision) -> (the checkpoint directory, the `dsv4.hub.cache.Snapshot` it
+    is when it names a hub model, else None). A directory that exists wins; else ORG/NAME is
+    looked up in the hub cache, without the network (the CLI pulls a missing model first)."""
+    from dsv4.hub.cache import HubError, resolve_model
+
     if not isinstance(model, (str, os.PathLike)) or not str(model):
-        raise EngineConfigError(f"--model must be a checkpoint directory, got {model!r}")
-    p = Path(model).expanduser()
-    if not p.exists():
-        raise EngineConfigError(f"--model {p}: no such directory")
+        raise EngineConfigError(f"--model must be a checkpoint directory or a hub model ORG/NAME, got {model!r}")
+    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
+        raise EngineConfigError(f"--revision must be a branch, tag or commit of the hub model, got {revision!r}")
+    try:
+        p, snap = resolve_model(str(model), revision)
+    except HubError as e:
+        raise EngineConfigError(str(e)) from None
     if not p.is_dir():
         raise EngineConfigError(f"--model {p} is not a directory; pass the checkpoint directory")
     if not (p / "config.json").is_file():
         raise EngineConfigError(f"--model {p}: no config.json; is this a DeepSeek V4 checkpoint directory?")
-    return str(p)
+    return str(p), snap
 
 
 def check_device(device: Any) -> str:

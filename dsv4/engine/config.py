@@ -7,11 +7,15 @@ flag maps to one field:
     --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
     --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
     --num-speculative-tokens --seed --profile --quantization --compile/--no-compile
-    --draft-vocab
+    --draft-vocab --revision
 
 Defaults that depend on the checkpoint are resolved when the config is built, so the
 fields of a built config always hold concrete values (except `profile_dir`):
 
+* `model` a hub model ORG/NAME (not a directory here) -> its snapshot's directory in the hub
+  cache at `revision` (default main), found without the network (`dsv4.hub.cache`; the CLI
+  pulls a missing model first); `model_id` keeps ORG/NAME and `revision` becomes the commit.
+  A directory stays as it is (`model_id` None, unless it is a snapshot in a hub cache);
 * `dtype` "auto" -> float32 on cpu, bfloat16 on cuda/npu;
 * `num_speculative_tokens` None or "auto" -> `speculative_auto` and K = the MTP depth (at most
   3: the state is sized for it, a `SpecPolicy` picks 0..K each step) when the checkpoint has
@@ -89,7 +93,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     draft_vocab: str | None = None  # --draft-vocab: auto, off or a file; built: the file's absolute path or "off"
     grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout: seconds one grammar may compile
+    revision: str | None = None  # --revision of a hub model; built: its commit (None for a directory)
     # Resolved from the checkpoint while validating (not arguments).
+    model_id: str | None = field(init=False, default=None)  # the hub model ORG/NAME `model` is a snapshot of
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
     has_mtp: bool = field(init=False)
     sampling_defaults: dict = field(init=False, repr=False, compare=False)  # from generation_config.json
@@ -105,7 +111,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
-        set_("model", check_model_dir(self.model))
+        path, snap = check_model_dir(self.model, self.revision)
+        set_("model", path)
+        set_("model_id", snap.repo_id if snap is not None else None)
+        set_("revision", snap.commit if snap is not None else None)
         set_("device", check_device(self.device))
         set_("dtype", resolve_dtype(self.dtype, self.device))
         check_int("--max-num-seqs", self.max_num_seqs, minimum=1)
@@ -284,6 +293,12 @@ class EngineConfig:
         if not self.single_dispatch and self.long_prefill_token_threshold > 0:
             limit = min(limit, self.long_prefill_token_threshold)
         return limit
+
+    @property
+    def served_model_name(self) -> str:
+        """The model's name in the OpenAI API (/v1/models): its hub id, as vLLM names it, else
+        the directory's name."""
+        return self.model_id or Path(self.model).name
 
     @property
     def hosts(self) -> int:

@@ -389,6 +389,8 @@ class Engine:
             "compiled_buckets": buckets,
             "compile_building": self._builder is not None,  # a background build is still running
             "model": self.config.model,
+            "model_id": self.config.model_id,  # the hub model ORG/NAME, or None for a directory
+            "revision": self.config.revision,  # its commit
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.config.quantization,

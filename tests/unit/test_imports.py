@@ -117,13 +117,15 @@ def test_no_import_cycles():
 # Each package imports only the packages below it (the model knows nothing of the engine,
 # the engine nothing of the daemon, HTTP or CLI). DeepSeek V4's prompt encoding is a leaf
 # below the engine (its tokenizer renders chats through it), and so is the draft vocabulary
-# file's format (`dsv4.draft_vocab`, a checkpoint file like config.json).
+# file's format (`dsv4.draft_vocab`, a checkpoint file like config.json), and so is the hub
+# cache (`dsv4.hub`: the engine turns a --model ORG/NAME into a snapshot's directory there).
 BELOW = {
     "dsv4.model": {"dsv4.config", "dsv4.assets", "dsv4.private_paths"},
     "dsv4.engine": {"dsv4.config", "dsv4.assets", "dsv4.private_paths", "dsv4.model", "dsv4.agents.encoding",
-                    "dsv4.draft_vocab"},
+                    "dsv4.draft_vocab", "dsv4.hub"},
     "dsv4.agents.encoding": set(),
     "dsv4.draft_vocab": set(),
+    "dsv4.hub": set(),
 }
 
 
