@@ -51,7 +51,9 @@ from .quant import dequantize_fp4, e8m0_bytes
 
 SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.cpp"
 NAME = "dsv4_fp4_gemm"
-CFLAGS = ["-O3", "-ffp-contract=off"]  # no fma contraction: the A8 contract is mul, then add
+# no fma contraction (the A8 contract is mul, then add); -fopenmp because at::parallel_for is
+# an inline `#pragma omp parallel` in torch's OpenMP build: without it the GEMMs run on one thread
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the C++ isa code
 BUILD_HINT = "python -m dsv4.model.fp4_kernel --build"
 BLOCK = 32
@@ -139,7 +141,7 @@ def build(verbose: bool = False) -> Path:
     except PathError as e:
         raise BuildError(str(e)) from None
     code = ("import sys, torch.utils.cpp_extension as c; c.load(name=sys.argv[1], sources=[sys.argv[2]], "
-            "build_directory=sys.argv[3], extra_cflags=sys.argv[4:], is_python_module=False, verbose=True)")
+            "build_directory=sys.argv[3], extra_cflags=sys.argv[4:], extra_ldflags=['-fopenmp'], is_python_module=False, verbose=True)")
     r = subprocess.run([sys.executable, "-c", code, NAME, str(SOURCE), str(d), *CFLAGS],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = d / "build.log"
