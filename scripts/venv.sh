@@ -28,3 +28,13 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   pip_q -e ".${pip_extras:+[$pip_extras]}"
   "$VENV/bin/python" -c "import dsv4, torch" && touch "$stamp"
 fi
+# The fp4 GEMM extension (dsv4/model/fp4_kernel.py), compiled into the per-user cache
+# ($XDG_CACHE_HOME/dsv4/ext): again when its source or the install changed, or its .so is
+# gone. A failed build prints one line and leaves the torch fallback; set-up goes on.
+fp4_src=dsv4/model/csrc/fp4_gemm.cpp
+fp4_stamp="$VENV/.dsv4-fp4-ext"
+fp4_so=$(cat "$fp4_stamp" 2>/dev/null || true)
+if [ ! -f "$fp4_stamp" ] || [ "$fp4_src" -nt "$fp4_stamp" ] || [ "$stamp" -nt "$fp4_stamp" ] ||
+   { [ -n "$fp4_so" ] && [ ! -f "$fp4_so" ]; }; then
+  "$VENV/bin/python" -m dsv4.model.fp4_kernel --build --stamp "$fp4_stamp" || true
+fi

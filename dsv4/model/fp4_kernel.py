@@ -1,0 +1,330 @@
+"""Fused FP4 GEMMs for the routed experts, from the checkpoint's own layout (no repacking).
+
+    y = linear_a8(xq, xs, packed, scale)   # int8 [M, K], float32 [M, 1] (kernels.quantize_tokens) -> float32 [M, N]
+    y = linear_f(x, packed, scale)         # float32 or bfloat16 [M, K] -> [M, N] in x's dtype
+    backend()                              # "fp4 GEMM: C++ avx512-vnni", ... (the startup line)
+
+This module owns the weight format's products, the C++ extension that computes them
+(`csrc/fp4_gemm.cpp`: its build, loading and choice of path) and the pure-torch fallback.
+
+Weight (as DeepSeek V4 stores its experts): `packed` int8/uint8 [N, K/2], element 2k in the
+low nibble of byte k and 2k+1 in the high one, a nibble c meaning e2m1 value v(c); `scale`
+E8M0 [N, K/32] (float8_e8m0fnu or its uint8 bytes): W[n, k] = v * 2^(S[n, k // 32] - 127).
+K must be a multiple of 32. Views with contiguous rows and any row stride (a memory-mapped
+safetensors slice) are read in place.
+
+`linear_a8`, the exact contract (every C++ path and the fallback give the same bits): with
+w2x = 2 * v, an integer in [-12, 12], for each (m, n): acc = 0.0f; for each block b in order,
+d = sum_{k in b} xq[m, k] * w2x[n, k] (int32, exact) and acc = acc + float(d) * 2^(S - 128)
+(float32 multiply then add, never fused); finally y = acc * xs[m]. Edge cases, decided:
+S = 255 (NaN in the E8M0 spec) makes the block NaN, as `quant.dequantize_fp4` does; S = 0
+and 1 give the denormals 2^-128 and 2^-127 (exact unless flush-to-zero is on: torch's
+default is off; with `torch.set_flush_denormal(True)` the paths may differ below 2^-126);
+a product beyond float32 (S >= 239 with large sums) is +-inf. Rows of x are independent:
+a row's result does not depend on M or on the other rows.
+
+`linear_f`: x @ dequantize_fp4(packed, scale).T within float32 rounding (per block: four
+fma chains of 8, summed, times the block scale); rows bit-identical alone and batched
+within one path, not across paths.
+
+Path (`backend()`), chosen once per process from: the built extension (`build()`, `python -m
+dsv4.model.fp4_kernel --build`, run by scripts/venv.sh; never compiled at serve time), the
+CPU's features capped by ATEN_CPU_CAPABILITY (`default`: scalar, `avx2`: at most AVX2), and
+DSV4_FP4_ISA (`avx512-vnni`, `avx2`, `scalar` or `torch`) to force one. The C++ paths use
+torch's intra-op threads (`torch.set_num_threads`), split over tiles of output rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ..private_paths import PathError, check_private_dir, check_trusted_chain
+from .quant import dequantize_fp4, e8m0_bytes
+
+SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.cpp"
+NAME = "dsv4_fp4_gemm"
+# no fma contraction (the A8 contract is mul, then add); -fopenmp because at::parallel_for is
+# an inline `#pragma omp parallel` in torch's OpenMP build: without it the GEMMs run on one thread
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the C++ isa code
+BUILD_HINT = "python -m dsv4.model.fp4_kernel --build"
+BLOCK = 32
+_N_CHUNK = 1024  # output rows per step of the torch fallback (bounds its [B, M, N] int32 sums)
+
+_W2X = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # 2 * e2m1 by nibble
+
+
+class BuildError(RuntimeError):
+    """The extension did not build (one line; the full log is in the build directory)."""
+
+
+# ----------------------------------------------------------------------------- build and load
+def cache_root() -> Path:
+    """$XDG_CACHE_HOME/dsv4/ext (else ~/.cache/dsv4/ext): private per-user build outputs."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    return root / "dsv4" / "ext"
+
+
+def build_dir() -> Path:
+    """This source's build directory, keyed by the source and flags' hash and torch's version."""
+    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    return cache_root() / f"fp4_gemm-{h}-torch{torch.__version__}"
+
+
+def _check_dir(d: Path, create: bool) -> bool:
+    """Refuse (PathError) a build directory that another user could write or repoint; False
+    when it is missing (and not `create`)."""
+    hint = "remove it or set XDG_CACHE_HOME to a directory only you control"
+    for p in (d.parent.parent, d.parent, d):  # .../dsv4, .../dsv4/ext, the build directory
+        if not check_private_dir(p, create=create, what="fp4 extension directory", hint=hint):
+            return False
+    check_trusted_chain(d, what="fp4 extension directory", hint=hint)
+    return True
+
+
+def _load_from(d: Path) -> tuple[object | None, str]:
+    """Load `d`/NAME.so: (torch.ops.dsv4_fp4, "") or (None, why not, one line)."""
+    try:
+        if not _check_dir(d, create=False):
+            return None, f"extension not built: run `{BUILD_HINT}`"
+        so = d / f"{NAME}.so"
+        st = os.lstat(so)
+    except FileNotFoundError:
+        return None, f"extension not built: run `{BUILD_HINT}`"
+    except (PathError, OSError) as e:
+        return None, f"extension not loaded: {_one_line(e)}"
+    if st.st_uid != os.getuid() or st.st_mode & 0o022 or not os.path.isfile(so):
+        return None, f"extension not loaded: {so} is not a file of yours that only you can write"
+    try:
+        torch.ops.load_library(str(so))
+        ops = torch.ops.dsv4_fp4
+        ops.cpu_isas()
+    except Exception as e:  # noqa: BLE001  (a corrupt or foreign file: OSError, RuntimeError, ...)
+        return None, f"extension failed to load ({_one_line(e)}); rebuild with `{BUILD_HINT}`"
+    _register_fakes()
+    return ops, ""
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[object | None, str]:
+    return _load_from(build_dir())
+
+
+def _register_fakes() -> None:
+    """Shapes for torch.compile's tracing (the ops allocate float32 [M, N])."""
+    if not hasattr(torch.library, "register_fake"):
+        return
+    try:
+        torch.library.register_fake("dsv4_fp4::linear_a8")(
+            lambda xq, xs, packed, scale, isa: xq.new_empty((xq.shape[0], packed.shape[0]), dtype=torch.float32))
+        torch.library.register_fake("dsv4_fp4::linear_f")(
+            lambda x, packed, scale, isa: x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32))
+    except RuntimeError:  # registered already (the same library loaded twice)
+        pass
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the extension into `build_dir()` (in a child process, so that this one never
+    holds two builds) and return the .so's path; `BuildError` (one line) if it fails."""
+    d = build_dir()
+    try:
+        _check_dir(d, create=True)
+    except PathError as e:
+        raise BuildError(str(e)) from None
+    code = ("import sys, torch.utils.cpp_extension as c; c.load(name=sys.argv[1], sources=[sys.argv[2]], "
+            "build_directory=sys.argv[3], extra_cflags=sys.argv[4:], extra_ldflags=['-fopenmp'], is_python_module=False, verbose=True)")
+    r = subprocess.run([sys.executable, "-c", code, NAME, str(SOURCE), str(d), *CFLAGS],
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = d / "build.log"
+    log.write_text(r.stdout)
+    if verbose:
+        print(r.stdout, file=sys.stderr)
+    so = d / f"{NAME}.so"
+    if r.returncode != 0 or not so.is_file():
+        lines = [ln.strip() for ln in r.stdout.splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else f"exit {r.returncode}")
+        raise BuildError(f"{why[:200]} (log: {log})")
+    return so
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {s[0][:200] if s else ''}"
+
+
+# ----------------------------------------------------------------------------- choice of path
+@functools.lru_cache(maxsize=None)
+def _choose(force: str, cap: str) -> tuple[int | None, str]:
+    """(C++ isa code or None for the torch fallback, the banner's description)."""
+    ops, why = _library()
+    if force == "torch":
+        return None, "torch fallback (forced by DSV4_FP4_ISA=torch)"
+    if ops is None:
+        return None, f"torch fallback ({why})"
+    mask = int(ops.cpu_isas())
+    note = ""
+    if force in ISAS and mask >> ISAS.index(force) & 1:
+        return ISAS.index(force), f"C++ {force} (forced by DSV4_FP4_ISA)"
+    if force:
+        note = f" (DSV4_FP4_ISA={force} ignored: this CPU runs {', '.join(available_isas())}, or 'torch')"
+    limit = {"default": 0, "avx2": 1}.get(cap.lower(), len(ISAS) - 1)
+    best = max(i for i in range(limit + 1) if mask >> i & 1)
+    return best, f"C++ {ISAS[best]}{note}"
+
+
+def _current() -> tuple[int | None, str]:
+    return _choose(os.environ.get("DSV4_FP4_ISA", "").strip().lower(), os.environ.get("ATEN_CPU_CAPABILITY", ""))
+
+
+def backend() -> str:
+    """The path this process uses, for the startup banner."""
+    return f"fp4 GEMM: {_current()[1]}"
+
+
+def available_isas() -> list[str]:
+    """The C++ paths this CPU can run (empty without the extension), whatever the caps."""
+    ops, _ = _library()
+    mask = int(ops.cpu_isas()) if ops is not None else 0
+    return [name for i, name in enumerate(ISAS) if mask >> i & 1]
+
+
+def _isa(isa: str | None, *tensors: torch.Tensor) -> int | None:
+    if isa is None:
+        return _current()[0] if all(t.device.type == "cpu" for t in tensors) else None
+    if isa == "torch":
+        return None
+    if isa not in available_isas():
+        raise ValueError(f"fp4 GEMM: path {isa!r} is not available here (have: {available_isas() + ['torch']})")
+    return ISAS.index(isa)
+
+
+# ----------------------------------------------------------------------------- checks
+def _weight(packed: torch.Tensor, scale: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate an FP4 weight against K activations; return (packed, scale) as uint8 views."""
+    shapes = f"packed {tuple(packed.shape)} {packed.dtype}, scale {tuple(scale.shape)} {scale.dtype}"
+    if packed.dim() != 2 or packed.dtype not in (torch.int8, torch.uint8):
+        raise ValueError(f"fp4 GEMM: packed must be int8/uint8 [N, K/2]; got {shapes}")
+    try:
+        s = e8m0_bytes(scale)
+    except TypeError:
+        raise ValueError(f"fp4 GEMM: scale must be float8_e8m0fnu or uint8 [N, K/32]; got {shapes}") from None
+    n, half = packed.shape
+    if k % BLOCK or 2 * half != k:
+        raise ValueError(f"fp4 GEMM: activations have K = {k}, a multiple of {BLOCK} equal to 2 * packed's "
+                         f"{half} columns is needed; got {shapes}")
+    if s.dim() != 2 or tuple(s.shape) != (n, k // BLOCK):
+        raise ValueError(f"fp4 GEMM: scale must be [{n}, {k // BLOCK}] (one E8M0 per {BLOCK} weights) for K = {k}; "
+                         f"got {shapes}")
+    if (half > 1 and packed.stride(1) != 1) or (k > BLOCK and s.stride(1) != 1):
+        raise ValueError(f"fp4 GEMM: packed and scale need contiguous rows (stride 1 along K); got {shapes} "
+                         f"with strides {packed.stride()}, {s.stride()}")
+    return packed.view(torch.uint8), s
+
+
+def _activations(x: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) -> None:
+    if x.dim() != 2 or x.dtype not in dtypes:
+        raise ValueError(f"fp4 GEMM: {what} must be 2-D {'/'.join(str(d) for d in dtypes)} [M, K]; "
+                         f"got {tuple(x.shape)} {x.dtype}")
+
+
+# ----------------------------------------------------------------------------- the products
+def linear_a8(xq: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+              *, isa: str | None = None) -> torch.Tensor:
+    """int8 xq [M, K] with float32 token scales xs [M, 1] -> float32 [M, N] (the exact contract
+    in the module docstring). `isa`: force a path ("avx512-vnni", "avx2", "scalar", "torch")."""
+    _activations(xq, (torch.int8,), "xq")
+    if xs.dtype != torch.float32 or xs.numel() != xq.shape[0] or xs.dim() not in (1, 2):
+        raise ValueError(f"fp4 GEMM: xs must be float32 [M, 1] for xq {tuple(xq.shape)}; got {tuple(xs.shape)} {xs.dtype}")
+    p, s = _weight(packed, scale, xq.shape[1])
+    code = _isa(isa, xq, p, s)
+    if code is None:
+        return _a8_torch(xq, xs.reshape(-1, 1), p, s)
+    return _library()[0].linear_a8(xq, xs.reshape(-1), p, s, code)
+
+
+def linear_f(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
+    """float32/bfloat16 x [M, K] -> x @ dequantize_fp4(packed, scale).T [M, N] in x's dtype
+    (computed in float32). `isa`: force a path, as for `linear_a8`."""
+    _activations(x, (torch.float32, torch.bfloat16, torch.float16), "x")
+    p, s = _weight(packed, scale, x.shape[1])
+    code = _isa(isa, x, p, s)
+    x32 = x.float()
+    if code is None:
+        y = _f_torch(x32, p, s)
+    else:
+        y = _library()[0].linear_f(x32, p, s, code)
+    return y.to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- torch fallback
+@functools.lru_cache(maxsize=None)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(2 * e2m1 as int32 [16], 2^(S - 128) as float32 [256] with S = 255 NaN), on `device`."""
+    f = torch.tensor([2.0 ** (s - 128) for s in range(256)], dtype=torch.float64).float()  # exact, denormals too
+    f[255] = float("nan")
+    return torch.tensor(_W2X, dtype=torch.int32, device=device), f.to(device)
+
+
+def _a8_torch(xq: torch.Tensor, xs: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The contract spelled out in torch: block sums by integer bmm, then the block-ordered float sums."""
+    M, K = xq.shape
+    B = K // BLOCK
+    w2x, pow2 = _tables(xq.device)
+    x = xq.to(torch.int32).view(M, B, BLOCK).permute(1, 0, 2)  # [B, M, 32]
+    out = torch.empty(M, p.shape[0], dtype=torch.float32, device=xq.device)
+    for n0 in range(0, p.shape[0], _N_CHUNK):
+        pc = p[n0:n0 + _N_CHUNK]
+        w = torch.stack((w2x[(pc & 15).long()], w2x[(pc >> 4).long()]), dim=-1)  # [n, K/2, 2]
+        d = torch.bmm(x, w.view(pc.shape[0], B, BLOCK).permute(1, 2, 0))  # [B, M, n] int32, exact
+        f = pow2[s[n0:n0 + _N_CHUNK].long()]  # [n, B]
+        acc = torch.zeros(M, pc.shape[0], dtype=torch.float32, device=xq.device)
+        for b in range(B):
+            acc = acc + d[b].float() * f[:, b]  # two roundings: mul (exact), then add
+        out[:, n0:n0 + _N_CHUNK] = acc * xs
+    return out
+
+
+def _f_torch(x: torch.Tensor, p: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Dequantise, then one matrix-vector product per row (so that rows stay independent)."""
+    w = dequantize_fp4(p, s)  # float32 [N, K]
+    out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    for m in range(x.shape[0]):
+        out[m] = torch.mv(w, x[m])
+    return out
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dsv4.model.fp4_kernel",
+                                 description="Build the fp4 GEMM extension, or say which path runs.")
+    ap.add_argument("--build", action="store_true", help="compile the C++ extension into the per-user cache")
+    ap.add_argument("--stamp", type=Path, help="with --build: write the .so's path here (empty if the build failed)")
+    ap.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    a = ap.parse_args(argv)
+    if not a.build:
+        print(backend())
+        return 0
+    try:
+        so = build(verbose=a.verbose)
+    except BuildError as e:
+        print(f"fp4 GEMM: the C++ extension did not build, the torch fallback serves: {e}", file=sys.stderr)
+        if a.stamp:
+            a.stamp.write_text("")
+        return 1
+    if a.stamp:
+        a.stamp.write_text(str(so))
+    print(f"fp4 GEMM: built {so}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
