@@ -28,6 +28,7 @@ from dsv4.cli.bench import bench
 from dsv4.cli.chat import chat
 from dsv4.cli.draft_vocab import draft_vocab
 from dsv4.cli.hub import fetch_model, model_dir, models, pull
+from dsv4.cli.plan import plan
 from dsv4.cli.run import run
 from dsv4.cli.options import CliError
 from dsv4.daemon.paths import resolve_endpoint
@@ -226,6 +227,7 @@ def convert(
     O.err(f"dsv4: wrote {dst} ({quantization}; {counts})")
 
 
+app.command("plan", short_help="Show the memory a configuration needs, before loading anything.")(plan)
 app.command("pull", short_help="Download a model from the Hugging Face hub into its cache.",
             help="Download a hub model ORG/NAME into the Hugging Face hub cache (HF_HUB_CACHE): only the files "
                  "dsv4 reads, resuming an interrupted download, every file's hash checked against the hub's; "

@@ -161,8 +161,9 @@ Threads = Annotated[Optional[int], typer.Option(
          "[default: $OMP_NUM_THREADS, else one fewer than the CPUs this process may use, 1 to 16]")]
 Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
-    help="Weight format: none, or w8a8 (int8 weights with per-row scales, int8 activations per token) "
-         "[default: as the checkpoint is stored]")]
+    help="Weight format: none; w8a8 (int8 weights with per-row scales, int8 activations per token); mxfp4 "
+         "(the routed experts kept as the checkpoint's FP4, the rest unquantised); w8a8-mxfp4 (FP4 routed "
+         "experts, the rest w8a8, int8 activations) [default: as the checkpoint is stored]")]
 DraftVocab = Annotated[Optional[str], typer.Option(
     "--draft-vocab", metavar="FILE", rich_help_panel=ENGINE_PANEL,
     help="MTP drafts propose only the tokens of FILE (written by 'dsv4 draft-vocab'): a smaller draft head "
@@ -302,12 +303,19 @@ def check_listen_key(endpoint: str, api_key: str | None) -> bool:
     return True
 
 
-def build_config(kw: dict[str, Any]) -> Any:
-    """A validated EngineConfig, or `CliError` (usage) with the validation message; loads no weights."""
+def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
+    """A validated EngineConfig, or `CliError` (usage) with the validation message; loads no
+    weights. `check_memory`: also refuse a configuration whose memory plan does not fit this
+    machine (`dsv4.engine.memory_plan.check`), naming the figures and the flags that would."""
     from dsv4.engine.config import EngineConfig, EngineConfigError
 
     try:
-        return EngineConfig.create(**kw)
+        config = EngineConfig.create(**kw)
+        if check_memory and config.node_rank == 0:
+            from dsv4.engine.memory_plan import check
+
+            check(config)
+        return config
     except EngineConfigError as e:
         raise CliError(str(e), EXIT_USAGE) from None
 
@@ -334,7 +342,7 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
         raise CliError(str(e), EXIT_USAGE) from None
     if launch is None or launch.rank == 0:
         return
-    config = build_config(kw)
+    config = build_config(kw, check_memory=False)  # rank 0 checked the host's plan
     from dsv4.engine.ranks import RankError, serve_node
 
     try:

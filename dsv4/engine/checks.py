@@ -134,21 +134,25 @@ def resolve_dtype(dtype: Any, device: str) -> str:
     return dtype
 
 
-def resolve_quantization(value: Any, model_dir: str, device: str) -> str:
-    """--quantization (None = as stored) against the checkpoint's config.json and the device's kernels."""
-    from dsv4.model.checkpoint import QUANTIZATION_KEY, CheckpointError
-    from dsv4.model.loader import resolve_quantization
+def resolve_quantization(value: Any, model_dir: str, device: str, check_files: bool = True) -> str:
+    """--quantization (None = as stored) against the checkpoint's config.json, its routed experts'
+    format (the mxfp4 modes keep them as stored: FP4; `check_files`) and the device's kernels."""
+    from dsv4.model.checkpoint import QUANTIZATION_KEY, Checkpoint, CheckpointError
+    from dsv4.model.loader import check_mxfp4, resolve_quantization
+    from dsv4.model.w8a8 import INT8_MODES, QUANTIZATIONS
 
     if value is not None and not isinstance(value, str):
-        raise EngineConfigError(f"--quantization must be none or w8a8, got {value!r}")
+        raise EngineConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {value!r}")
     try:
         stored = json.loads((Path(model_dir) / "config.json").read_text()).get(QUANTIZATION_KEY, "none")
         q = resolve_quantization(value, str(stored), model_dir)
+        if check_files and q.endswith("mxfp4"):
+            check_mxfp4(Checkpoint(model_dir), q)
     except (OSError, ValueError, AttributeError) as e:
         raise EngineConfigError(f"--model {model_dir}: cannot read config.json ({e})") from None
     except CheckpointError as e:
         raise EngineConfigError(str(e)) from None
-    if q == "w8a8":
+    if q in INT8_MODES:
         from dsv4.model.kernels import W8A8Error, check_kernel
 
         try:

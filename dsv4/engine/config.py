@@ -56,6 +56,13 @@ from .checks import (EngineConfigError, check_device, check_hosts, check_int, ch
                      weight_names)
 from .launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
+QUANTIZATION_LINES = {  # the banner's words for each --quantization
+    "none": "unquantised",
+    "w8a8": "w8a8 (int8 weights per row, int8 activations per token)",
+    "mxfp4": "mxfp4 (routed experts as stored: FP4 with E8M0 scales per 32, float activations; the rest unquantised)",
+    "w8a8-mxfp4": "w8a8-mxfp4 (routed experts as stored: FP4 with E8M0 scales per 32; int8 activations per token, "
+                  "the other linears int8 per row)",
+}
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
 MTP_PREFIX = "mtp.0."
 
@@ -94,6 +101,10 @@ class EngineConfig:
     draft_vocab: str | None = None  # --draft-vocab: auto, off or a file; built: the file's absolute path or "off"
     grammar_compile_timeout: float = 10.0  # --grammar-compile-timeout: seconds one grammar may compile
     revision: str | None = None  # --revision of a hub model; built: its commit (None for a directory)
+    # `dsv4 plan`: a config.json alone will do (weights as the official layout stores them), and
+    # `memory` (bytes) is the machine's memory the defaults are sized for; nothing loads
+    planning: bool = field(default=False, compare=False)
+    memory: int | None = field(default=None, compare=False)
     # Resolved from the checkpoint while validating (not arguments).
     model_id: str | None = field(init=False, default=None)  # the hub model ORG/NAME `model` is a snapshot of
     model_config: ModelConfig = field(init=False, repr=False, compare=False)
@@ -152,8 +163,9 @@ class EngineConfig:
                     self.rendezvous_timeout)
         set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
                                                  tensor_parallel_size=self.tensor_parallel_size))
-        set_("quantization", resolve_quantization(self.quantization, self.model, self.device))
-        names = weight_names(Path(self.model))
+        official = self.planning and not any(Path(self.model).glob("*.safetensors"))
+        set_("quantization", resolve_quantization(self.quantization, self.model, self.device, check_files=not official))
+        names = {MTP_PREFIX + "x"} if official else weight_names(Path(self.model))
         set_("has_mtp", mc.num_nextn_predict_layers > 0 and any(n.startswith(MTP_PREFIX) for n in names))
 
         # Speculative decoding.
@@ -262,7 +274,7 @@ class EngineConfig:
                     f"positions, but one request at --max-model-len {mml} needs {one} ({one * per_block} bytes); "
                     f"raise --kv-cache-memory to {one * per_block} or lower --max-model-len")
         else:
-            cap = machine_memory(self.device) // 4
+            cap = (self.memory or machine_memory(self.device)) // 4
             if one * per_block > cap:
                 raise EngineConfigError(
                     f"one request at --max-model-len {mml} needs {one * per_block} bytes of state, more than a "
@@ -327,8 +339,7 @@ class EngineConfig:
             f"device {self.device}"
             + (f" x {self.tensor_parallel_size} ranks (tensor parallel)" if self.tensor_parallel_size > 1 else "")
             + f", dtype {self.dtype}, weights "
-            + ("w8a8 (int8 weights per row, int8 activations per token)" if self.quantization == "w8a8"
-               else "unquantised"),
+            + QUANTIZATION_LINES[self.quantization],
             f"model prefill limit {self.model_config.prefill_limit}, "
             f"effective prefill chunk size {self.effective_chunk_size}"
             + (" (single dispatch)" if self.single_dispatch else ""),

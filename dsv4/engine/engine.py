@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import int8pack
+from ..model import fp4_kernel, int8pack
+from ..model.w8a8 import INT8_MODES
 from ..model.loader import load_model
 from .config import EngineConfig
 from .kvcache import BlockManager
@@ -131,8 +132,7 @@ class Engine:
                 self.ranks.close()
             raise
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
-        self.quant_note = (int8pack.describe(self.model)  # the banner's line: packed, or split products
-                           if config.quantization == "w8a8" and self.device.type == "cpu" else "")
+        self.quant_note = self._quant_note(config)
         self.weight_bytes = self.rank_weight_bytes[0]
         if self.ranks is not None:
             agree_pool(config)  # with the followers' agree_pool (ranks.py), at the same point
@@ -380,6 +380,16 @@ class Engine:
         """The decode buckets that run compiled now ({"main": [], "mtp": []} when eager)."""
         steps = self.runner.compiled
         return steps.in_use() if steps is not None else {"main": [], "mtp": []}
+
+    def _quant_note(self, config: EngineConfig) -> str:
+        """The banner's weight-kernel lines: the int8 packing (or split products) and the FP4
+        GEMM's path (C++ and its instruction set, or the torch fallback and why)."""
+        if self.device.type != "cpu":
+            return ""
+        notes = [int8pack.describe(self.model) if config.quantization in INT8_MODES else ""]
+        if config.quantization.endswith("mxfp4"):
+            notes.append(fp4_kernel.backend())
+        return "; ".join(n for n in notes if n)
 
     def status(self) -> dict[str, Any]:
         s = self.scheduler

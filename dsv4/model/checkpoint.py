@@ -52,6 +52,7 @@ _PREFIX = r"(?:layers|mtp)\.\d+\."
 _FP8_RE = re.compile(_PREFIX + r"(?:attn\.(?:wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)"
                      r"|ffn\.shared_experts\.w[123]|[eh]_proj)\.weight")
 _FP4_RE = re.compile(_PREFIX + r"ffn\.experts\.\d+\.w[123]\.weight")
+_ROUTED_WEIGHT = _FP4_RE  # the routed experts' weights (stored FP4 in the official layout)
 _F32_RE = re.compile(r"(?:.*\.)?hc_\w+|.*\.attn\.attn_sink|.*\.compressor\.ape|.*\.ffn\.gate\.bias")
 _I64_RE = re.compile(r".*\.ffn\.gate\.tid2eid")
 
@@ -101,7 +102,8 @@ class Checkpoint:
         self.shapes = {n: _out_shape(k, self.entries[n].shape) for n, k in self.plan.items()}
         self.quantization = str(self.config.get(QUANTIZATION_KEY, "none"))
 
-    def tensors(self, device: Union[str, torch.device] = "cpu", layout: Any = None
+    def tensors(self, device: Union[str, torch.device] = "cpu", layout: Any = None,
+                skip: frozenset[str] = frozenset()
                 ) -> Iterator[tuple[str, str, torch.Tensor, Optional[torch.Tensor]]]:
         """(name, kind, stored tensor, E8M0 scale for "fp8"/"fp4" else None), one at a time,
         shard by shard, memory mapped: nothing is kept after the caller lets go of it.
@@ -112,7 +114,7 @@ class Checkpoint:
         and trimmed, as kind "plain" float32."""
         for file in sorted({e.file for e in self.entries.values()}):
             names = [n for n, e in self.entries.items() if e.file == file and n in self.plan
-                     and (layout is None or layout.holds(n))]
+                     and n not in skip and (layout is None or layout.holds(n))]
             with _open(file) as f:
                 for name in names:
                     kind = self.plan[name]

@@ -28,10 +28,12 @@ import torch
 
 from ..config import ModelConfig
 from . import int8pack, kernels, parallel, sharding
-from .checkpoint import (Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
+from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .model import DeepseekV4
-from .w8a8 import QUANTIZATIONS, QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
+from .mapped import MappedFiles
+from .mxfp4 import FP4Linear, to_mxfp4
+from .w8a8 import INT8_MODES, QUANTIZATIONS, QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -51,14 +53,29 @@ def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
     """The format to run: `requested` (None = as the checkpoint is stored). A checkpoint
     already converted to w8a8 runs as w8a8 only. Raises `CheckpointError` naming the flag."""
     if requested is not None and requested not in QUANTIZATIONS:
-        raise CheckpointError(f"--quantization {requested!r} is not supported; use {' or '.join(QUANTIZATIONS)}")
+        raise CheckpointError(f"--quantization {requested!r} is not supported; use {', '.join(QUANTIZATIONS)}")
     if stored not in QUANTIZATIONS:
         raise CheckpointError(f"{where}: config.json records an unknown quantization {stored!r} "
                               f"(supported: {', '.join(QUANTIZATIONS)})")
-    if stored == "w8a8" and requested == "none":
-        raise CheckpointError(f"--quantization none: {where} is a w8a8 conversion (int8 weights); "
+    if stored == "w8a8" and requested not in (None, "w8a8"):
+        raise CheckpointError(f"--quantization {requested}: {where} is a w8a8 conversion (int8 weights); "
                               f"load it with --quantization w8a8 (or none given), or load the original checkpoint")
     return requested or stored
+
+
+def check_mxfp4(ck: Checkpoint, quantization: str) -> None:
+    """An mxfp4 mode keeps the routed experts as the checkpoint stores them: every one must be
+    FP4 (I8 packed, E8M0 scales). Raises `CheckpointError` naming the first that is not."""
+    if quantization not in ("mxfp4", "w8a8-mxfp4"):
+        return
+    experts = [n for n in ck.entries if _ROUTED_WEIGHT.fullmatch(n)]
+    if not experts:
+        raise CheckpointError(f"--quantization {quantization}: {ck.root} has no routed experts")
+    for n in sorted(experts):
+        if ck.plan.get(n) != "fp4":
+            e = ck.entries[n]
+            raise CheckpointError(f"--quantization {quantization} keeps the checkpoint's FP4 experts, but {n!r} "
+                                  f"is stored as {e.dtype} {list(e.shape)}; use --quantization none or w8a8")
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
@@ -81,26 +98,24 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     cfg = ModelConfig.from_dir(path)
     ck = Checkpoint(path)
     quantization = resolve_quantization(quantization, ck.quantization, str(path))
+    check_mxfp4(ck, quantization)
     dev = resolve_device(device)
-    if quantization == "w8a8":
+    int8 = quantization in INT8_MODES
+    if int8:
         try:
             kernels.check_kernel(dev)
         except kernels.W8A8Error as e:
             raise CheckpointError(str(e)) from None
     with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in ck.shapes)
-    with torch.device("meta"):
-        model = DeepseekV4(cfg, with_mtp=with_mtp)
-    if quantization == "w8a8":
-        to_w8a8(model)
-    layout = sharding.shard_model(model, rank, world) if world > 1 else None
-    _set_dtypes(model, dtype)
+    model, layout = meta_model(cfg, quantization, dtype, with_mtp, rank, world)
     sd = model.state_dict()
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
     try:
         model.to_empty(device=dev)
         if fuse:
             model.fuse_projections()
-        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout)
+        mapped = _map_fp4(model, ck, dev, layout)  # the FP4 experts: views of the files' pages
+        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout, skip=mapped)
     except (RuntimeError, MemoryError, CheckpointError) as e:
         if "allocate memory" not in str(e) and "out of memory" not in str(e).lower():
             raise
@@ -113,12 +128,27 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     model.make_rope_tables(dev)
     if draft_vocab is not None and model.has_mtp:
         model.restrict_draft_vocab(draft_vocab, rank, world)
-    if quantization == "w8a8" and model.has_mtp:
+    if int8 and model.has_mtp:
         model.quantize_draft_head()
-    if pack and quantization == "w8a8" and dev.type == "cpu" and world == 1:
+    if pack and int8 and dev.type == "cpu" and world == 1:
         int8pack.pack_model(model)
     _release_free_memory()
     return model.eval()
+
+
+def meta_model(cfg: ModelConfig, quantization: str, dtype: torch.dtype, with_mtp: bool, rank: int = 0,
+               world: int = 1) -> tuple[DeepseekV4, sharding.Layout | None]:
+    """The model as `load_model` holds it (formats, dtypes, rank `rank`'s part of `world`), on
+    the meta device: what the weights will be, before any is read (the loader; `memory_plan`)."""
+    with torch.device("meta"):
+        model = DeepseekV4(cfg, with_mtp=with_mtp)
+    if quantization.endswith("mxfp4"):
+        to_mxfp4(model, act_int8=quantization in INT8_MODES)  # first: to_w8a8 then leaves FP4 experts be
+    if quantization in INT8_MODES:
+        to_w8a8(model)
+    layout = sharding.shard_model(model, rank, world) if world > 1 else None
+    _set_dtypes(model, dtype)
+    return model, layout
 
 
 def _set_dtypes(model: DeepseekV4, dtype: torch.dtype) -> None:
@@ -140,6 +170,9 @@ def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: sharding.Layout 
     a `layout`): a float weight converted at load time also fills its int8 linear's `scale`."""
     quantized = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     shapes = dict(ck.shapes)
+    for n, m in model.named_modules():  # used as stored: the packed bytes and their scales
+        if isinstance(m, FP4Linear) and f"{n}.weight" in ck.entries and f"{n}.scale" in ck.entries:
+            shapes[f"{n}.weight"], shapes[f"{n}.scale"] = ck.entries[f"{n}.weight"].shape, ck.entries[f"{n}.scale"].shape
     if layout is not None:
         shapes = {n: s for n, s in shapes.items() if layout.holds(n)}
         for n, s in shapes.items():
@@ -159,12 +192,13 @@ def _produced_shapes(ck: Checkpoint, model: DeepseekV4, layout: sharding.Layout 
 @torch.no_grad()
 def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
                  progress: Callable[[int, int], None] | None, counts: RowCounts,
-                 layout: sharding.Layout | None = None) -> None:
+                 layout: sharding.Layout | None = None, skip: frozenset[str] = frozenset()) -> None:
     """Read every tensor (or this rank's slice of it) once, convert it, copy it into the
-    model's storage (fused views included)."""
+    model's storage (fused views included); the names in `skip` are in place already."""
     dest = model.state_dict()  # detached views of the model's own storage
     total = len(ck.plan) if layout is None else sum(layout.holds(n) for n in ck.plan)
-    for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev, layout)):
+    done = sum(n in ck.plan for n in skip)
+    for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev, layout, skip=skip), start=done):
         target = dest[name]
         if target.dtype == torch.int8 and kind != "int8":  # convert to int8 rows while loading
             if kind == "fp4":
@@ -185,6 +219,25 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
         del raw, scale
         if progress is not None:
             progress(i + 1, total)
+
+
+def _map_fp4(model: DeepseekV4, ck: Checkpoint, dev: torch.device, layout: sharding.Layout | None
+             ) -> frozenset[str]:
+    """Point every `FP4Linear` (of the experts this rank holds) at its packed weight and E8M0
+    scales as the files store them (`mapped.MappedFiles`: no copy on the CPU); a scale byte
+    of 255 (E8M0's NaN) is a CheckpointError naming the tensor. Returns the names filled."""
+    files, done = MappedFiles(), set()
+    for n, m in model.named_modules():
+        if not isinstance(m, FP4Linear) or (layout is not None and not layout.holds(f"{n}.weight")):
+            continue
+        w, s = (f"{n}.weight", f"{n}.scale")
+        packed, scale = files.tensor(ck.entries[w].file, w), files.tensor(ck.entries[s].file, s)
+        if bool((scale == 255).any()):
+            raise CheckpointError(f"tensor {s!r} in {ck.entries[s].file.name} holds E8M0 NaN scales (255)")
+        m.weight, m.scale = packed.view(torch.uint8).to(dev), scale.to(dev)
+        done.update((w, s))
+    files.close()
+    return frozenset(done)
 
 
 def _check_finite(name: str, ck: Checkpoint, dest: dict[str, torch.Tensor]) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from . import int8pack, kernels, parallel
+from . import int8pack, kernels, mxfp4, parallel
 from .layers import FusedLinear, Linear, cast, constant, f32, linear, project, stack_views
 
 
@@ -84,6 +84,7 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.local = range(cfg.n_routed_experts)  # the experts this rank holds (sharding.shard_model)
         self.stacked: dict[str, torch.Tensor] | None = None  # fuse(): the local experts' weights, stacked
+        self.mxfp4: bool | None = None  # routed experts kept MXFP4 (`mxfp4.to_mxfp4`): their own path
         self.packed = False  # pack_int8(): stacked["w13"] / ["w2"] are lists of prepacked weights per expert
 
     def fuse(self) -> None:
@@ -93,7 +94,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             self.shared_experts.fuse()
         local = [self.experts[e] for e in self.local]
-        if not local:
+        if not local or mxfp4.is_mxfp4(local[0]):  # MXFP4 experts are used as stored (mapped): no stacking
             return
         w1 = local[0].w1
         (I, D), quant = w1.weight.shape, w1.scale is not None
@@ -140,6 +141,8 @@ class MoE(nn.Module):
         shared expert's) and the ranks' sums are added."""
         weights, idx = self.gate(x, ids)
         local = self.local
+        if mxfp4.is_mxfp4(self.experts[local.start]) and not torch.is_grad_enabled():
+            return cast(parallel.all_reduce(self._routed_mxfp4(x, weights, idx)), x.dtype)
         if self.shared_experts is not None:
             out = f32(self.shared_experts(x))  # [T, D] float32, fresh: the accumulator
         else:
@@ -155,6 +158,18 @@ class MoE(nn.Module):
             y = f32(self.experts[local.start + e](x if t is None else x[t], w))
             out = out + y if t is None else out.index_add(0, t, y)
         return cast(parallel.all_reduce(out), x.dtype)
+
+    def _routed_mxfp4(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The shared expert plus the MXFP4 routed shares (`mxfp4.routed`; one opaque op when compiled)."""
+        out = f32(self.shared_experts(x)) if self.shared_experts is not None else \
+            torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        lo, n, first = self.local.start, len(self.local), self.experts[self.local.start]
+        lim, a8 = first.limit, first.w1.act_int8
+        if torch.compiler.is_compiling():
+            flat = [t for e in self.local for t in mxfp4.expert_tensors(self.experts[e])]
+            return torch.ops.dsv4.moe_mxfp4(out, x, weights, idx, flat, lim, lo, len(self.experts), a8)
+        return mxfp4.routed(out, x, _groups(idx, weights, lo, n, len(self.experts)),
+                            lambda e: mxfp4.expert_tensors(self.experts[lo + e]), lim, a8)
 
     def _stacked_current(self) -> bool:
         """Whether `fuse()` stacked the local experts and their weights still live there."""
@@ -320,4 +335,18 @@ def moe_routed(acc: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: t
 
 @moe_routed.register_fake
 def _moe_routed_fake(acc, x, weights, idx, w13, w2, s13, s2, limit, lo, n_experts) -> torch.Tensor:
+    return torch.empty_like(acc)
+
+
+@torch.library.custom_op("dsv4::moe_mxfp4", mutates_args=())
+def moe_mxfp4(acc: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+              tensors: list[torch.Tensor], limit: float, lo: int, n_experts: int, act_int8: bool) -> torch.Tensor:
+    """`mxfp4.routed` as one op a compiled step calls without tracing it (`tensors`: every local
+    expert's `mxfp4.expert_tensors`, concatenated)."""
+    groups = _groups(idx, weights, lo, len(tensors) // 6, n_experts)
+    return mxfp4.routed(acc.clone(), x, groups, lambda e: tensors[6 * e: 6 * e + 6], limit, act_int8)
+
+
+@moe_mxfp4.register_fake
+def _moe_mxfp4_fake(acc, x, weights, idx, tensors, limit, lo, n_experts, act_int8) -> torch.Tensor:
     return torch.empty_like(acc)

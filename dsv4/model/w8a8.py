@@ -28,7 +28,8 @@ from . import int8pack, kernels, parallel
 from .layers import Linear
 from .quant import FP4_VALUES, e8m0_bytes
 
-QUANTIZATIONS = ("none", "w8a8")
+QUANTIZATIONS = ("none", "w8a8", "mxfp4", "w8a8-mxfp4")  # mxfp4: the routed experts as stored (mxfp4.py)
+INT8_MODES = ("w8a8", "w8a8-mxfp4")  # the other linears int8
 QUANTIZED_RULE = re.compile(r"(?:layers|mtp)\.\d+\.(?:attn\..*|ffn\.(?:shared_experts|experts\.\d+)\.w[123]|[eh]_proj)")
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from dsv4.model.model import DeepseekV4, init_random
+from dsv4.model.mxfp4 import ROUTED_RULE, to_mxfp4
+from dsv4.model.quant import dequantize_fp4, quantize_fp4
 from dsv4.model.w8a8 import to_w8a8
 from tests.checkpoints import write_tiny_checkpoint
 from tests.model.tiny import tiny_config
@@ -19,24 +21,40 @@ W8A8_DENSE = {"num_experts_per_tok": 8, "index_topk": 64}
 TOL = 1e-5  # float32: chunked = whole, decode = forward, batched = alone hold to this
 
 
-@pytest.fixture(scope="session", params=["plain", "fused", "w8a8-fused"])
+@pytest.fixture(scope="session", params=["plain", "fused", "w8a8-fused", "mxfp4-fused", "w8a8-mxfp4-fused"])
 def tiny_model(request) -> DeepseekV4:
     """The same random model as built (what training uses), with its projections fused
-    (what `load_model` and the engine use), and fused with int8 weights (`--quantization
-    w8a8`; fused = unfused for it is checked in test_w8a8.py): every test of it runs on
-    all three, so the invariants (chunked = whole, rollback, MTP) hold for each format.
-    The w8a8 model carries `float_twin`, the same weights in float32 (see `bound`)."""
-    quantized = request.param.startswith("w8a8")
+    (what `load_model` and the engine use), fused with int8 weights (`--quantization
+    w8a8`; fused = unfused for it is checked in test_w8a8.py), and fused with the routed
+    experts kept MXFP4 (`--quantization mxfp4`: float activations, and `w8a8-mxfp4`: int8
+    activations, the rest w8a8): every test of it runs on all five, so the invariants
+    (chunked = whole, rollback, MTP, prefix hits) hold for each format. The int8-activation
+    models carry `float_twin`, the same weights in float32 (see `bound`)."""
+    quantized = "w8a8" in request.param
     over = W8A8_DENSE if quantized else {}
-    torch.manual_seed(0)
-    model = init_random(DeepseekV4(tiny_config(**over)), seed=0).eval()
-    if quantized:
+
+    def build(twin: bool) -> DeepseekV4:
         torch.manual_seed(0)
-        twin = init_random(DeepseekV4(tiny_config(**over)), seed=0).eval().fuse_projections()
-        to_w8a8(model)
-    model = model.fuse_projections() if request.param.endswith("fused") else model
+        m = init_random(DeepseekV4(tiny_config(**over)), seed=0).eval()
+        if "mxfp4" in request.param:  # the experts as FP4 stores them: the twin holds them dequantised
+            fp4_experts(m) if twin else to_mxfp4(m, act_int8=quantized)
+        if quantized and not twin:
+            to_w8a8(m)
+        return m.fuse_projections() if twin or request.param.endswith("fused") else m
+
+    model = build(twin=False)
     if quantized:
-        model.float_twin = twin
+        model.float_twin = build(twin=True)
+    return model
+
+
+def fp4_experts(model: DeepseekV4) -> DeepseekV4:
+    """Round every routed expert's weights to MXFP4 and back, in place (exact in float32):
+    the float model whose experts are those an mxfp4 mode holds."""
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if ROUTED_RULE.fullmatch(name):
+                mod.weight.copy_(dequantize_fp4(*quantize_fp4(mod.weight.float())))
     return model
 
 

@@ -39,12 +39,26 @@ def dense_ckpt(tmp_path_factory):
     return d, write_tiny_checkpoint(d, **W8A8_DENSE)
 
 
+@pytest.fixture(scope="module")
+def fp4_ckpts(tmp_path_factory):
+    """Checkpoints stored as the official one is (FP8 attention, FP4 routed experts) for the
+    mxfp4 modes: {quantization: (dir, the float32 model of its stored weights)}; the
+    int8-activation one routes densely (see tests/model/conftest.py `bound`)."""
+    out = {}
+    for q, over in (("mxfp4", {}), ("w8a8-mxfp4", W8A8_DENSE)):
+        d = tmp_path_factory.mktemp(f"tiny-{q}")
+        write_tiny_checkpoint(d, quantize=True, **over)
+        out[q] = d, LLM(d, quantization="none", max_model_len=512).engine.runner.model
+    return out
+
+
 @pytest.mark.exact
-@pytest.mark.parametrize("quantization", ["none", "w8a8"])
-@pytest.mark.parametrize("limit", [16, 128])
-def test_greedy_with_mtp_equals_without(ckpt, dense_ckpt, limit, quantization):
-    """float32: equal token for token. w8a8: equal but at near-ties (`assert_chains_agree`)."""
-    d, float_model = dense_ckpt if quantization == "w8a8" else ckpt
+@pytest.mark.parametrize("quantization, limit", [("none", 16), ("none", 128), ("w8a8", 16), ("w8a8", 128),
+                                                 ("mxfp4", 16), ("w8a8-mxfp4", 16)])
+def test_greedy_with_mtp_equals_without(ckpt, dense_ckpt, fp4_ckpts, limit, quantization):
+    """float32 (none, mxfp4): equal token for token. int8 activations: equal but at near-ties
+    (`assert_chains_agree`)."""
+    d, float_model = {"none": ckpt, "w8a8": dense_ckpt}.get(quantization) or fp4_ckpts[quantization]
     prompts = _prompts(LENGTHS)
     q = dict(prefill_limit=limit, quantization=quantization)
     llm = LLM(d, num_speculative_tokens=0, max_num_seqs=8, max_model_len=512, **q)
@@ -52,7 +66,7 @@ def test_greedy_with_mtp_equals_without(ckpt, dense_ckpt, limit, quantization):
     assert all(len(r) == GEN for r in ref)
     for K, seqs in ((1, 1), (1, 8), (2, 8), (3, 8)):
         out = [c.token_ids for c in _run(d, prompts, K, seqs, **q)]
-        quantized = (llm.engine.runner.model, float_model) if quantization == "w8a8" else ()
+        quantized = (llm.engine.runner.model, float_model) if "w8a8" in quantization else ()
         assert_chains_agree(out, ref, prompts, *quantized)
 
 

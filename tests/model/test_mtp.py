@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4.model.hf_compat import hf_config_dict, official_to_hf
+from dsv4.model.mxfp4 import FP4Linear
 from dsv4.model.state import Batch
 from dsv4.model.w8a8 import QuantLinear
 from tests.model.tiny import tiny_config
@@ -22,9 +23,10 @@ def _rms(x, w, eps=1e-6):
 
 def test_mtp_equals_composition_by_hand(tiny_model):
     model, cfg = tiny_model, tiny_model.cfg
-    if any(isinstance(m, QuantLinear) for m in model.modules()):
+    if any(isinstance(m, (QuantLinear, FP4Linear)) for m in model.modules()):
         pytest.skip("parity with transformers' float layer; w8a8 MTP is checked against itself "
-                    "(test_mtp_stateful_chunks_equal_whole, tests/model/test_engine.py)")
+                    "(test_mtp_stateful_chunks_equal_whole, tests/model/test_engine.py), MXFP4 "
+                    "experts against their float twin (tests/model/test_mxfp4.py)")
     S = 60  # longer than the window of 12
     ids = torch.randint(0, cfg.vocab_size, (1, S), generator=torch.Generator().manual_seed(11))
     hidden, _ = model.forward_batch(Batch.whole(ids), None)  # [S, hc, D]

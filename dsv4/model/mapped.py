@@ -1,0 +1,91 @@
+"""Checkpoint tensors used as stored, memory-mapped from their safetensors files, not copied.
+
+    files = MappedFiles()
+    packed = files.tensor(path, "layers.3.ffn.experts.7.w1.weight")   # a uint8 view of the file's pages
+
+A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data
+offsets) and the data. Each file is mapped once (MAP_PRIVATE, readable and copy-on-write:
+pages come from the page cache and are shared by every process that maps the file, so a
+restart on a warm page cache reads nothing again and tensor-parallel ranks on one host hold
+one copy); tensors are `torch.frombuffer` views of it, which keep the mapping alive.
+
+At open every tensor's offsets are checked against the header and the file's size: a
+truncated file is a `CheckpointError` naming it, never a page fault at decode. A file changed
+under a running server can still fault; replace checkpoints by renaming, not in place.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .checkpoint import CheckpointError
+
+_DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F8_E8M0": torch.uint8, "BF16": torch.bfloat16,
+           "F16": torch.float16, "F32": torch.float32, "I32": torch.int32, "I64": torch.int64}
+_MAX_HEADER = 100 << 20
+
+
+class MappedFiles:
+    """The mapped safetensors files of one load (each mapped once, headers checked at open)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}
+
+    def _open(self, file: Path) -> tuple[mmap.mmap, int, dict]:
+        got = self._maps.get(file)
+        if got is not None:
+            return got
+        try:
+            with open(file, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                head = fh.read(8)
+                (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
+                if n is None or n > min(size - 8, _MAX_HEADER):
+                    raise CheckpointError(f"corrupt safetensors file {file}: its header length does not fit the file")
+                header = json.loads(fh.read(n))
+                data = 8 + n
+                for name, meta in header.items():
+                    if name == "__metadata__":
+                        continue
+                    start, end = meta["data_offsets"]
+                    if not 0 <= start <= end or data + end > size:
+                        raise CheckpointError(f"truncated or corrupt safetensors file {file}: tensor {name!r} ends at "
+                                              f"byte {data + end}, the file has {size}")
+                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
+        self._maps[file] = got = (mm, data, header)
+        return got
+
+    def tensor(self, file: Path, name: str) -> torch.Tensor:
+        """`name` from `file` as a view of the mapped pages, in its stored dtype (E8M0 scales and
+        packed FP4 as uint8)."""
+        mm, data, header = self._open(Path(file))
+        meta = header.get(name)
+        if meta is None:
+            raise CheckpointError(f"{file} holds no tensor {name!r}")
+        dtype = _DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name!r} in {file}: dtype {meta['dtype']} cannot be mapped")
+        start, end = meta["data_offsets"]
+        shape = [int(d) for d in meta["shape"]]
+        count = end - start
+        if count == 0:
+            return torch.empty(shape, dtype=dtype)
+        raw = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=data + start)
+        if dtype is not torch.uint8:
+            raw = raw.view(dtype)
+        if raw.numel() != (n := int(torch.tensor(shape).prod().item()) if shape else 1):
+            raise CheckpointError(f"tensor {name!r} in {file}: {count} bytes do not hold shape {shape} "
+                                  f"({n} elements of {meta['dtype']})")
+        return raw.view(shape)
+
+    def close(self) -> None:
+        """Forget the mappings (tensors made from them keep theirs alive)."""
+        self._maps.clear()

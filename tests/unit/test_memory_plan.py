@@ -1,0 +1,82 @@
+"""The memory plan (`dsv4 plan`, and the refusal `serve` / `run --local` make before loading):
+the published DeepSeek V4 Flash and Pro config.json (tests/fixtures, no weights) sized part by
+part, the experts' shortcut equal to the whole meta model, and a configuration over the
+machine refused with its figures and the flags that would fit."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4.cli.main import main
+from dsv4.engine import memory_plan as M
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.checks import EngineConfigError
+from tests.checkpoints import write_tiny_checkpoint
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GIB = 2**30
+
+
+def _plan(capsys, model: str, *args: str) -> dict:
+    code = main(["plan", "--model", str(FIXTURES / model), "--json", *args])
+    got = capsys.readouterr()
+    assert got.out.strip(), got.err
+    out = json.loads(got.out)
+    assert code == (0 if out["fits"] else 1)
+    return out
+
+
+def test_v4_flash_with_fp4_experts_fits_192_gb_at_a_64k_context(capsys):
+    for q in ("w8a8-mxfp4", "mxfp4"):
+        p = _plan(capsys, "deepseek-v4-flash", "--quantization", q, "--dtype", "bfloat16",
+                  "--max-model-len", "65536", "--memory", "192GiB")
+        parts = {x["what"]: x["bytes"] for x in p["parts"]}
+        # 43 layers + MTP, 256 experts of w1, w3 [2048, 4096] and w2 [4096, 2048]: half a byte a
+        # weight and one E8M0 byte per 32
+        assert parts["weights: routed experts"] == 44 * 256 * 3 * 2048 * 4096 * (16 + 1) // 32
+        assert p["fits"] and p["host_bytes"] < 170 * GIB, p
+        print(f"V4 Flash {q}: {p['host_bytes'] / GIB:.1f} GiB at 64k", file=sys.stderr)
+    w8a8 = _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8", "--dtype", "bfloat16",
+                 "--max-model-len", "65536", "--memory", "192GiB")
+    assert not w8a8["fits"] and w8a8["host_bytes"] > 270 * GIB  # int8 experts: twice the bytes
+
+
+def test_v4_pro_says_what_it_needs(capsys):
+    p = _plan(capsys, "deepseek-v4-pro", "--quantization", "w8a8-mxfp4", "--dtype", "bfloat16",
+              "--max-model-len", "65536", "--memory", "192GiB")
+    print(f"V4 Pro w8a8-mxfp4: {p['host_bytes'] / GIB:.0f} GiB at 64k", file=sys.stderr)
+    assert not p["fits"] and 780 * GIB < p["host_bytes"] < 860 * GIB
+    tp = _plan(capsys, "deepseek-v4-pro", "--quantization", "w8a8-mxfp4", "--dtype", "bfloat16",
+               "--max-model-len", "65536", "--tensor-parallel-size", "8", "--nnodes", "8", "--memory", "192GiB")
+    assert tp["fits"] and tp["ranks_here"] == 1 and tp["per_rank_bytes"] < p["per_rank_bytes"] / 7
+
+
+@pytest.mark.parametrize("q, T", [("none", 1), ("w8a8", 2), ("w8a8-mxfp4", 1), ("mxfp4", 2)])
+def test_the_experts_shortcut_equals_the_whole_meta_model(tmp_path, q, T):
+    write_tiny_checkpoint(tmp_path, quantize=True)
+    c = EngineConfig.create(model=str(tmp_path), quantization=q, tensor_parallel_size=T)
+    fast, exact = M.weight_parts(c), M.weight_parts(c, exact=True)
+    assert [(p.what, p.bytes, p.detail) for p in fast] == [(p.what, p.bytes, p.detail) for p in exact]
+
+
+def test_a_plan_over_the_machine_is_refused_naming_figures_and_flags(tmp_path, monkeypatch, capsys):
+    write_tiny_checkpoint(tmp_path, quantize=True)
+    c = EngineConfig.create(model=str(tmp_path))
+    need = M.memory_plan(c).host_bytes
+    monkeypatch.setattr(M, "available_memory", lambda: need - 1)
+    with pytest.raises(EngineConfigError) as e:
+        M.check(c)
+    msg = str(e.value)
+    assert "over the" in msg and "available" in msg and "--quantization w8a8" in msg and "--max-model-len" in msg
+    assert "\n" not in msg
+    # through the CLI: one line, exit 2, before any weight is read
+    monkeypatch.setattr("dsv4.model.loader.load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    code = main(["run", "--local", "--model", str(tmp_path), "--max-tokens", "2", "--raw", "hi"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "dsv4 plan" in err, err
