@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+PREFILL = 128  # the prefill row timed: one chunk of this many tokens after the 64-token context
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -207,6 +208,7 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
         t1 = _timed(step([(0, ctx, [5])]), reps)
         t4 = _timed(step([(s, ctx, [5]) for s in range(B)]), reps)
         t2 = _timed(step([(0, ctx, [5, 6])]), reps)
+        tp = _timed(step([(0, ctx, torch.randint(2, cfg.vocab_size, (PREFILL,)).tolist())]), reps)
         hidden, _ = model.forward_batch(Batch.build([(1, ctx, [5])]), state)
         state.rollback(1, ctx)
 
@@ -226,8 +228,41 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
     return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total, "layer_bytes": total - outer,
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss": _rss(),
             "step_bytes": step_bytes, "bandwidth": bw, "t1": t1, "t4": t4, "t2": t2, "t_mtp": tm,
+            "t_prefill": tp, "routed_bytes": routed, "fp4_backend": _fp4_backend(quantization),
             "t_mtp_dv": tm_dv,
             "n_moe_layers": n_moe, "packed_bytes": packed, **comp}
+
+
+def _fp4_backend(quantization: str) -> str:
+    from dsv4.model import fp4_kernel
+
+    return fp4_kernel.backend() if quantization.endswith("mxfp4") else ""
+
+
+def load_arm(model_dir: Path, quantization: str, dtype: str) -> dict:
+    """Load only (as the engine loads), in a fresh process: seconds, resident weight bytes and
+    the peak RSS the load reached (`--load`: run once cold and once on a warm page cache)."""
+    from dsv4.model.loader import load_model
+
+    t0 = time.perf_counter()
+    model = load_model(model_dir, dtype=getattr(torch, dtype), quantization=quantization)
+    load_s = time.perf_counter() - t0
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    return {"arm": f"{quantization} {dtype}", "load_s": load_s, "weight_bytes": total,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "rss": _rss()}
+
+
+def _drop_page_cache(model_dir: Path) -> bool:
+    """Evict the checkpoint's pages (posix_fadvise DONTNEED on each file): the next load is cold."""
+    import os
+
+    for f in sorted(model_dir.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
 
 
 def _compiled_times(model, state, ctx: int, B: int, reps: int) -> dict:
@@ -257,20 +292,22 @@ def _compiled_times(model, state, ctx: int, B: int, reps: int) -> dict:
 
 def report(rows: list[dict], accept: float, accept_dv: list[float] | None = None) -> str:
     gib = 2 ** 30
-    out = ["| arm | weights GiB (layers) | peak RSS GiB | load s | batch 1 tok/s | batch 4 tok/s | bytes/step GB "
-           "| floor ms (at GB/s) | of floor | verify 2 / 1 | MTP draft / step | implied MTP speedup |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = ["| arm | weights GiB (layers) | routed experts GiB | peak RSS GiB | load s | batch 1 tok/s "
+           "| batch 4 tok/s | batch 4 / 1 | prefill tok/s | bytes/step GB | floor ms (at GB/s) | of floor "
+           "| verify 2 / 1 | MTP draft / step | implied MTP speedup |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "step_bytes" not in r:  # the transformers arm: batch 1 decode and memory only
-            out.append(f"| {r['arm']} | {r['weight_bytes'] / gib:.2f} ({r['layer_bytes'] / gib:.2f}) "
-                       f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | - | - | - | - "
+            out.append(f"| {r['arm']} | {r['weight_bytes'] / gib:.2f} ({r['layer_bytes'] / gib:.2f}) | - "
+                       f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | - | - | - | - | - | - "
                        f"| - | - | - |")
             continue
         floor = r["step_bytes"] / r["bandwidth"]
         speed = (1 + accept) / (r["t2"] / r["t1"] + r["t_mtp"] / r["t1"])
         out.append(f"| {r['arm']} | {r['weight_bytes'] / gib:.2f} ({r['layer_bytes'] / gib:.2f}) "
-                   f"| {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} | {1 / r['t1']:.2f} | {4 / r['t4']:.2f} "
-                   f"| {r['step_bytes'] / 1e9:.2f} | {1e3 * floor:.0f} ({r['bandwidth'] / 1e9:.1f}) "
+                   f"| {r['routed_bytes'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | {r['load_s']:.0f} "
+                   f"| {1 / r['t1']:.2f} | {4 / r['t4']:.2f} | {r['t1'] * 4 / r['t4']:.2f}x "
+                   f"| {PREFILL / r['t_prefill']:.1f} | {r['step_bytes'] / 1e9:.2f} | {1e3 * floor:.0f} ({r['bandwidth'] / 1e9:.1f}) "
                    f"| {floor / r['t1']:.0%} | {r['t2'] / r['t1']:.2f} | {r['t_mtp'] / r['t1']:.2f} | {speed:.2f}x |")
     dv = [r for r in rows if r.get("t_mtp_dv")]
     if dv:
@@ -299,12 +336,48 @@ def report(rows: list[dict], accept: float, accept_dv: list[float] | None = None
         out.append(f"\nw8a8 / none: layer bytes {b['layer_bytes'] / a['layer_bytes']:.2f}x, "
                    f"decode batch 1 {a['t1'] / b['t1']:.2f}x, batch 4 {a['t4'] / b['t4']:.2f}x "
                    f"(implied MTP speedup at acceptance {accept:.2f})")
+    for k in ("mxfp4", "w8a8-mxfp4"):
+        if k in by and "w8a8" in by:
+            a, b = by["w8a8"], by[k]
+            out.append(f"{k} / w8a8: routed expert bytes {b['routed_bytes'] / a['routed_bytes']:.2f}x, "
+                       f"decode batch 1 {a['t1'] / b['t1']:.2f}x, batch 4 {a['t4'] / b['t4']:.2f}x, "
+                       f"prefill {a['t_prefill'] / b['t_prefill']:.2f}x ({b['fp4_backend']})")
     if "transformers" in by:
         h = by["transformers"]
         for k in ("w8a8", "none"):
             if k in by:
                 out.append(f"{k} / transformers: decode batch 1 {h['t1'] / by[k]['t1']:.2f}x, "
                            f"peak RSS {by[k]['peak_rss'] / h['peak_rss']:.2f}x")
+    return "\n".join(out)
+
+
+def load_report(model_dir: Path, arms: list[str]) -> str:
+    """Each arm's load cold, then warm (a restart on the page cache the cold one filled)."""
+    gib = 2 ** 30
+    out = ["| arm | weights GiB | cold load s | warm load s | peak RSS GiB (warm) | peak RSS / weights |",
+           "|---|---|---|---|---|---|"]
+    rows = {}
+    for spec in arms:
+        runs = []
+        for cold in (True, False):
+            if cold:
+                _drop_page_cache(model_dir)
+            r = subprocess.run([sys.executable, __file__, "--dir", str(model_dir), "--one-load", spec],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                runs = None
+                out.append(f"| {spec} | failed: {(r.stderr.strip().splitlines() or ['?'])[-1]} |")
+                break
+            runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        if runs:
+            c, w = runs
+            rows[spec.split(":")[0]] = w
+            out.append(f"| {w['arm']} | {w['weight_bytes'] / gib:.2f} | {c['load_s']:.1f} | {w['load_s']:.1f} "
+                       f"| {w['peak_rss'] / gib:.2f} | {w['peak_rss'] / w['weight_bytes']:.2f}x |")
+    if "w8a8" in rows:
+        for k in ("w8a8-mxfp4", "mxfp4"):
+            if k in rows:
+                out.append(f"\n{k} / w8a8, warm restart: load {rows[k]['load_s'] / rows['w8a8']['load_s']:.2f}x")
     return "\n".join(out)
 
 
@@ -324,8 +397,17 @@ def main() -> None:
                          "or N = N random token ids")
     ap.add_argument("--accept-draft-vocab", type=lambda t: [float(x) for x in t.split(",")], metavar="A,...",
                     help="MTP acceptance with each draft vocabulary (benchmarks/draft_vocab.py) [default: --accept]")
+    ap.add_argument("--load", action="store_true",
+                    help="time loading only: each arm cold (the files' pages evicted first) and warm (a restart)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--one-load", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.one_load:
+        print(json.dumps(load_arm(a.dir, *a.one_load.split(":"))))
+        return
+    if a.load:
+        print(load_report(a.dir, a.arms.split(",")))
+        return
     if a.make:
         make(a.dir)
         return

@@ -137,7 +137,7 @@ def _write(ck: Checkpoint, src: Path, dst: Path, quantized: set[str], n_experts:
                 if kind == "fp4":
                     out = from_fp4(raw, scale, counts)
                 elif kind == "fp8":
-                    out = from_float(dequantize(kind, raw, scale, torch.float32))
+                    out = from_float(dequantize(kind, raw, scale, torch.float32), scratch=True)
                 else:
                     out = from_float(raw.float())
                 pieces = {name: out[0].contiguous(), scale_name(name): out[1].contiguous()}

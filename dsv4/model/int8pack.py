@@ -16,7 +16,8 @@ checks the products against int64 once per process and packing is off where they
         packed = int8pack.pack(w)        # int8 [N, K] -> opaque oneDNN tensor (shape [K, N])
         y = int8pack.mm(xq, packed)      # int8 [M, K] -> float32 [M, N], exact
 
-`pack_model(model)` (the loader's last step, single-process CPU, `--compile` off) packs every
+`pack_model(model)` (the loader's last step, single-process CPU, `--compile` off, and only where
+`fast()`: not onto oneDNN's reference int8 matmul) packs every
 int8 weight of at least `MIN_BYTES` in place: the owners (`QuantLinear`, `FusedLinear`,
 `MoE`'s stacked experts) keep the packed tensors and their plain int8 buffers become meta
 tensors of the same shape, so memory does not grow and any stray read of a plain weight
@@ -93,6 +94,33 @@ def exact() -> bool:
     return available() and exact_product(lambda x, w: mm(x, pack(w)))
 
 
+@functools.lru_cache(maxsize=1)
+def fast() -> bool:
+    """Whether the packed product is not oneDNN's reference kernel here: where oneDNN has no
+    optimised int8 matmul for the packed layout on this CPU (seen on an AMD Zen 4 with
+    AVX-512 VNNI, oneDNN 3.12: `ref_int8`, 190 ms for one row of 4096 x 4096 where
+    `torch._int_mm` takes 0.6 ms), packing would make w8a8 ~100x slower. One probe per
+    process: a [1, 1024] x [1024, 1024] product both ways, best of 3; packed must be within
+    4x of the plain one (a real kernel is faster; the reference one is 50-300x slower)."""
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8, generator=g)
+    x = torch.randint(-127, 128, (1, 1024), dtype=torch.int8, generator=g)
+    p = pack(w)
+
+    def best(fn: Callable[[], object]) -> float:
+        ts = []
+        for _ in range(4):
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+        return min(ts[1:])
+
+    plain = split_mm if cpu_saturates() else (lambda a, b: torch._int_mm(a, b.t()))
+    return best(lambda: mm(x, p)) <= 4 * best(lambda: plain(x, w))
+
+
 SATURATES: bool | None = None  # cpu: torch._int_mm's int16 pair sums saturate here (`cpu_saturates`)
 
 
@@ -120,6 +148,9 @@ def describe(model: nn.Module) -> str:
     n = packed_bytes(model)
     if n:
         return f"w8a8: {n / 2**30:.2f} GiB of int8 weights prepacked for oneDNN's int8 matmul"
+    if available() and exact() and not fast():
+        return ("w8a8: int8 weights not prepacked: oneDNN has only its reference int8 matmul for the packed "
+                "layout on this CPU (measured ~100x slower); products through torch._int_mm")
     if cpu_saturates():
         return ("w8a8: this CPU's int8 matmul (no VNNI) saturates int16 pair sums, so every int8 product runs as "
                 "two that cannot: exact, about twice the int8 work (--quantization none may decode faster here)")

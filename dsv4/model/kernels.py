@@ -56,10 +56,21 @@ def quantize_tokens(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[
     return q, s
 
 
-def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(w: torch.Tensor, amax: torch.Tensor | None = None, *, scratch: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-row symmetric int8 of a float weight: [N, K] -> (int8 [N, K], float32 [N])
-    (`amax` [N]: of the whole rows, when w holds a slice of their columns)."""
-    q, s = quantize_tokens(w, None if amax is None else amax.unsqueeze(-1))
+    (`amax` [N]: of the whole rows, when w holds a slice of their columns). `scratch`: w is a
+    float32 temporary the caller drops (a weight being loaded): it is divided and rounded in
+    place, the same values as `quantize_tokens` with no [N, K] float temporaries (the load's
+    cost is these passes over float32)."""
+    if not (scratch and w.dtype == torch.float32 and w.is_contiguous()):
+        q, s = quantize_tokens(w, None if amax is None else amax.unsqueeze(-1))
+        return q, s.squeeze(-1)
+    if amax is None:
+        lo, hi = torch.aminmax(w, dim=-1)  # max |x| = max(max x, -min x), one pass and no |x| copy
+        amax = torch.maximum(hi, lo.neg())
+    s = amax.unsqueeze(-1).clamp_min(_TINY) / QMAX  # [N, 1]
+    q = w.div_(s).round_().clamp_(-QMAX, QMAX).to(torch.int8)
     return q, s.squeeze(-1)
 
 

@@ -53,7 +53,7 @@ def resolve_quantization(requested: str | None, stored: str, where: str) -> str:
     """The format to run: `requested` (None = as the checkpoint is stored). A checkpoint
     already converted to w8a8 runs as w8a8 only. Raises `CheckpointError` naming the flag."""
     if requested is not None and requested not in QUANTIZATIONS:
-        raise CheckpointError(f"--quantization {requested!r} is not supported; use {', '.join(QUANTIZATIONS)}")
+        raise CheckpointError(f"--quantization {requested!r} is not supported; use {', '.join(QUANTIZATIONS[:-1])} or {QUANTIZATIONS[-1]}")
     if stored not in QUANTIZATIONS:
         raise CheckpointError(f"{where}: config.json records an unknown quantization {stored!r} "
                               f"(supported: {', '.join(QUANTIZATIONS)})")
@@ -130,7 +130,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         model.restrict_draft_vocab(draft_vocab, rank, world)
     if int8 and model.has_mtp:
         model.quantize_draft_head()
-    if pack and int8 and dev.type == "cpu" and world == 1:
+    if pack and int8 and dev.type == "cpu" and world == 1 and int8pack.fast():  # not onto oneDNN's reference kernel
         int8pack.pack_model(model)
     _release_free_memory()
     return model.eval()
@@ -208,7 +208,7 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
                 sh = layout.shard(name) if layout is not None else None
                 # a slice of the rows' columns (row-parallel): the scale of the whole rows
                 amax = parallel.all_reduce_max(w.abs().amax(dim=-1)) if sh is not None and sh.dim == 1 else None
-                q, s = from_float(w, amax)
+                q, s = from_float(w, amax, scratch=w.data_ptr() != raw.data_ptr())  # w: our own temporary
             target.copy_(q)
             dest[scale_name(name)].copy_(s)
         elif kind in ("fp8", "fp4"):

@@ -153,7 +153,7 @@ def dequantize_fp8(w8: torch.Tensor, scale: torch.Tensor,
                          f"{(rows, cols)}; expected {(br, bc)}")
     x = _pad2(w8.float(), br * FP8_BLOCK, bc * FP8_BLOCK).view(br, FP8_BLOCK, bc, FP8_BLOCK)
     s = e8m0_to_float(scale)[:, None, :, None]  # [br, 1, bc, 1]
-    out = (x * s).view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols]
+    out = x.mul_(s).view(br * FP8_BLOCK, bc * FP8_BLOCK)[:rows, :cols]  # x: our float copy of w8
     return out.to(dtype).contiguous()
 
 

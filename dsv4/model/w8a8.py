@@ -125,10 +125,12 @@ class RowCounts:
         return f"{self.exact} of {total} FP4 rows exact, {self.rounded} rounded" if total else "no FP4 rows"
 
 
-def from_float(w: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def from_float(w: torch.Tensor, amax: torch.Tensor | None = None, *, scratch: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] float -> (int8 [out, in], float32 [out]): per-row amax / 127, round to nearest even
-    (`amax` [out]: of the whole rows, when w is a slice of their columns)."""
-    return kernels.quantize_rows(w.detach(), amax)
+    (`amax` [out]: of the whole rows, when w is a slice of their columns; `scratch`: w is a
+    temporary that may be overwritten, `kernels.quantize_rows`)."""
+    return kernels.quantize_rows(w.detach(), amax, scratch=scratch)
 
 
 FP4_SPAN = 3  # 12 * 2^3 = 96 <= 127: doubled e2m1 codes times 2^span still fit in int8

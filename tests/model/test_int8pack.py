@@ -111,13 +111,16 @@ def test_engine_packs_w8a8_and_serves_the_same_tokens(monkeypatch):
             out = llm.generate([prompt], params)[0]
             lps = out.logprobs
             m = llm.engine.model
-            assert ("packed" in m.draft_head) == (int8pack.MIN_BYTES == 0)  # the MTP's int8 head too
+            assert ("packed" in m.draft_head) == (int8pack.MIN_BYTES == 0 and int8pack.fast())  # the MTP's int8 head too
             return (out.token_ids, lps, llm.engine.compile_note, int8pack.packed_bytes(m),
                     out.metrics["spec"]["drafted"])
 
     ids, lps, note, packed, drafted = run()
     assert packed == 0  # the embedded model's int8 weights are under MIN_BYTES
     monkeypatch.setattr(int8pack, "MIN_BYTES", 0)
+    monkeypatch.setattr(int8pack, "fast", lambda: False)  # oneDNN's reference kernel only: never packed
+    assert run()[3] == 0
+    monkeypatch.setattr(int8pack, "fast", lambda: True)  # the speed probe's verdict aside: packing is exact
     ids2, lps2, note2, packed2, drafted2 = run()
     assert packed2 > 0 and "prepacked" in note2 and "prepacked" not in note
     assert ids2 == ids and lps2 == lps and drafted2 > 0 and drafted > 0  # the drafts through the packed head

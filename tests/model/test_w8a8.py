@@ -192,7 +192,7 @@ def test_broken_conversion_names_the_tensor(tmp_path, what, msg):
 
 def test_unknown_quantization_names_the_flag(tmp_path):
     write_tiny_checkpoint(tmp_path, with_tokenizer=False)
-    with pytest.raises(EngineConfigError, match=r"--quantization 'int4' is not supported; use none or w8a8"):
+    with pytest.raises(EngineConfigError, match=r"--quantization 'int4' is not supported; use none, w8a8, mxfp4 or w8a8-mxfp4"):
         EngineConfig.create(model=str(tmp_path), quantization="int4")
     with pytest.raises(CheckpointError, match=r"--quantization 'int4'"):
         load_model(tmp_path, quantization="int4")
