@@ -192,7 +192,7 @@ def arm(model_dir: Path, quantization: str, dtype: str, reps: int, compile: bool
                   + main_routed * cfg.num_experts_per_tok // cfg.n_routed_experts)
     torch.manual_seed(0)
     B, ctx = 4, 64
-    state = model.new_state(B + 1, 256, max_chunk=ctx)  # the last slot: --compile's scratch
+    state = model.new_state(B + 1, 256, max_chunk=max(ctx, PREFILL))  # the last slot: --compile's scratch
     with torch.inference_mode():
         for s in range(B):
             model.forward_batch(Batch.build([(s, 0, torch.randint(2, cfg.vocab_size, (ctx,)).tolist())]), state)
