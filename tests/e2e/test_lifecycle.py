@@ -22,7 +22,7 @@ NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
     (["--no-enable-chunked-prefill", "--max-model-len", "512"], "chunked prefill is disabled"),
     (["--max-num-batched-tokens", "1", "--num-speculative-tokens", "1"], "--max-num-batched-tokens 1"),
     (["--device", "tpu"], "--device 'tpu' is not supported"),
-    (["--quantization", "int4"], "--quantization 'int4' is not supported; use none or w8a8"),
+    (["--quantization", "int4"], "--quantization 'int4' is not supported; use none, w8a8, mxfp4 or w8a8-mxfp4"),
 ])
 def test_invalid_serve_config_exits_2_and_starts_nothing(tiny_model: Path, args: list[str], message: str) -> None:
     d = short_dir()
