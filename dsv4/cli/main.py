@@ -159,13 +159,26 @@ def serve(
 @app.command(short_help="Show the daemon's model, uptime, requests and throughput.")
 def status(
     socket: O.Socket = None, api_key: O.ApiKey = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the status as one JSON object (with --watch: "
+                                                           "one per line).")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="A live view, redrawn every --interval: output tok/s, "
+                                                          "acceptance and prefix cache hits over the last interval, "
+                                                          "requests, state pool use, compile progress.")] = False,
+    interval: Annotated[float, typer.Option("--interval", metavar="SECONDS", min=0.1,
+                                            help="Seconds between polls of --watch.")] = 1.0,
+    count: Annotated[Optional[int], typer.Option("--count", metavar="N", min=1,
+                                                 help="With --watch: stop after N polls (default: until Ctrl-C).")
+                     ] = None,
 ) -> None:
     """Show the daemon's model, device, uptime, requests, totals and MTP acceptance."""
     from dsv4.daemon.client import Client
 
     with Client(resolve_endpoint(socket), api_key=api_key) as c:
         c.connect()
+        if watch:
+            from dsv4.cli.status_watch import watch as live
+
+            raise typer.Exit(live(c.status, interval, count, as_json))
         st = c.status()
     if as_json:
         print(json.dumps(st, indent=2, sort_keys=True))

@@ -128,6 +128,23 @@ def test_status(daemon: Daemon) -> None:
     assert "%" in lines["MTP"] and "MiB resident" in lines["memory"] and "while busy" in lines["throughput"]
 
 
+def test_status_watch_reports_the_last_interval(daemon: Daemon) -> None:
+    """--watch --json: one object per poll; a run between two polls shows in the second's rates."""
+    p = spawn("status", "--watch", "--json", "--interval", "6", "--count", "2", endpoint=daemon.endpoint)
+    first = json.loads(p.stdout.readline())  # polled: the run below falls in the interval that follows
+    run_json("--max-tokens", "6", "--ignore-eos", "Watch:", endpoint=daemon.endpoint)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 0, stderr
+    (second,) = (json.loads(ln) for ln in stdout.splitlines())
+    assert first["watch"]["output_tokens_per_s"] == 0 and first["watch"]["requests_finished"] == 0
+    w = second["watch"]
+    assert w["requests_finished"] >= 1 and w["output_tokens_per_s"] > 0 and 5 < w["interval_s"] < 30
+    assert 0 <= w["state_pool_used"] <= 1
+    r = dsv4("status", "--watch", "--interval", "0.1", "--count", "2", endpoint=daemon.endpoint)  # to a pipe
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 2 and all("output tok/s" in ln for ln in lines), r.stdout
+
+
 def test_bad_frames_get_error_replies_then_run_works(daemon: Daemon) -> None:
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
