@@ -197,6 +197,9 @@ def bench(
                                                      help="Write all results as JSON to FILE ('-' = stdout).")]
     = None,
     seed: Annotated[int, typer.Option("--seed", metavar="N", help="Seed for choosing the prompts.")] = 0,
+    plot: Annotated[Optional[str], typer.Option(
+        "--plot", metavar="FILE", help="Also draw output tok/s, TTFT and TPOT against concurrency, MTP on and "
+                                       "off, into FILE (.png or .svg; needs matplotlib, the plot extra).")] = None,
     socket: O.Socket = None,
     http: Annotated[Optional[str], typer.Option(
         "--http", metavar="URL", help="Benchmark an OpenAI-compatible server (dsv4 serve --http) at URL, "
@@ -213,6 +216,13 @@ def bench(
     draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
 ) -> None:
     levels = _int_list("--concurrency", concurrency)
+    if plot is not None:
+        from dsv4.cli.bench_plot import PlotError, check
+
+        try:
+            check(plot)
+        except PlotError as e:
+            raise CliError(str(e), O.EXIT_USAGE) from None
     arms = [a.strip() for a in mtp.split(",") if a.strip()]
     if not arms or any(a not in ("on", "off") for a in arms) or len(set(arms)) != len(arms):
         raise CliError(f"--mtp must be on, off or on,off; got {mtp!r}", O.EXIT_USAGE)
@@ -275,6 +285,10 @@ def bench(
         from dsv4.cli.bench_report import print_report
 
         print_report(report)
+    if plot is not None:
+        from dsv4.cli.bench_plot import plot as draw
+
+        O.err(f"dsv4 bench: plot written to {draw(report, plot)}")
 
 
 def _measure(backend: Any, prompts: list[list[int]], params: dict[str, Any], levels: list[int], arms: list[str],

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from tests.e2e.util import Daemon, dsv4
+from tests.unit.test_bench_plot import assert_plotted
 
 METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "output_throughput_tok_s", "request_throughput_req_s",
            "acceptance_rate", "mean_acceptance_length", "drafted", "accepted", "requests", "output_tokens", "wall_s")
@@ -14,9 +15,11 @@ METRICS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "output_throughput_tok_s", "req
 def test_bench_both_arms_all_metrics(daemon: Daemon, tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     r = dsv4("bench", "--prompt-len", "256", "--gen-len", "16", "--concurrency", "1,2", "--num-prompts", "4",
-             "--mtp", "on,off", "--warmup", "1", "--json", str(out), endpoint=daemon.endpoint, timeout=300)
+             "--mtp", "on,off", "--warmup", "1", "--json", str(out), "--plot", str(tmp_path / "bench.png"),
+             endpoint=daemon.endpoint, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(out.read_text())
+    assert_plotted(tmp_path / "bench.png")
     cfg = report["config"]
     assert cfg["prompt_len"] == 256 and cfg["gen_len"] == 16 and cfg["prompt_source"] == "random token ids"
     got = {(x["concurrency"], x["mtp"]) for x in report["results"]}
@@ -50,3 +53,8 @@ def test_bench_json_to_stdout_and_real_text(daemon: Daemon, tmp_path: Path) -> N
     assert report["config"]["prompt_source"].startswith("text windows from")
     assert [(x["concurrency"], x["mtp"]) for x in report["results"]] == [(2, "on")]
     assert report["comparison"] == []
+
+
+def test_bench_plot_refuses_before_measuring(daemon: Daemon, tmp_path: Path) -> None:
+    r = dsv4("bench", "--plot", str(tmp_path / "bench.pdf"), endpoint=daemon.endpoint, timeout=60)
+    assert r.returncode == 2 and "--plot" in r.stderr and ".png or .svg" in r.stderr and len(r.stderr.splitlines()) == 1
