@@ -5,7 +5,7 @@
 
 Per arm: greedy requests on held-out Shakespeare prompts, decode time per output token
 (first token to last, prefill excluded) without a constraint (EOS ignored) and with
-`json_object` (xgrammar; until the grammar ends or --tokens), interleaved over rounds; and
+`json_object` (llguidance; until the grammar ends or --tokens), interleaved over rounds; and
 the time spent in the mask itself (`verify.grammar_rows`: filling the bitmasks, applying
 them to the logits; `grammar.draft_masks`: the same for the MTP's drafts;
 `GrammarState.commit`: the matcher taking the tokens) per token, and the MTP acceptance.

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if needed) and install dsv4 into it with the CPU build of torch.
 #   scripts/venv.sh [EXTRAS]     e.g. scripts/venv.sh http (what ./dsv4.sh installs: serve --http),
-#                                     scripts/venv.sh test (what ./test.sh installs: http and structured included),
-#                                     scripts/venv.sh http,structured (structured outputs)
+#                                     scripts/venv.sh test (what ./test.sh installs: http and plot included),
+#                                     scripts/venv.sh http,plot (bench --plot)
 # DSV4_VENV names another environment directory (default .venv, relative to the checkout).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,15 +16,7 @@ pip_q() { "$VENV/bin/pip" install -q --disable-pip-version-check "$@" 2>&1 | gre
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # The CPU build of torch; the package itself accepts any torch>=2.4 (CUDA, NPU).
   pip_q "torch==2.13.0"
-  # structured (and test): xgrammar without its declared dependencies, which include triton, a
-  # GPU compiler of several hundred MB it does not need (dsv4 applies its masks with torch);
-  # what it imports (numpy, pydantic, transformers, typing-extensions, torch) is installed normally.
-  pip_extras=$(echo ",$extras," | sed -e 's/,structured,/,/g' -e 's/^,*//' -e 's/,*$//')
-  case ",$extras," in
-    *,test,*|*,structured,*)
-      pip_q "pydantic>=2" "transformers>=4.40"
-      pip_q --no-deps "xgrammar>=0.2.9" "apache-tvm-ffi" ;;
-  esac
+  pip_extras=$(echo ",$extras," | sed -e 's/^,*//' -e 's/,*$//')
   pip_q -e ".${pip_extras:+[$pip_extras]}"
   "$VENV/bin/python" -c "import dsv4, torch" && touch "$stamp"
 fi
@@ -34,7 +26,9 @@ fi
 fp4_src=dsv4/model/csrc/fp4_gemm.cpp
 fp4_stamp="$VENV/.dsv4-fp4-ext"
 fp4_so=$(cat "$fp4_stamp" 2>/dev/null || true)
-if [ ! -f "$fp4_stamp" ] || [ "$fp4_src" -nt "$fp4_stamp" ] || [ "$stamp" -nt "$fp4_stamp" ] ||
+if [ ! -f "$fp4_stamp" ] || [ "$fp4_src" -nt "$fp4_stamp" ] || [ dsv4/model/fp4_kernel.py -nt "$fp4_stamp" ] ||
+   [ "$stamp" -nt "$fp4_stamp" ] ||
    { [ -n "$fp4_so" ] && [ ! -f "$fp4_so" ]; }; then
-  "$VENV/bin/python" -m dsv4.model.fp4_kernel --build --stamp "$fp4_stamp" || true
+  "$VENV/bin/python" -c 'import sys; from dsv4.model import fp4_kernel; sys.exit(fp4_kernel.main(sys.argv[1:]))' \
+    --build --stamp "$fp4_stamp" || true
 fi

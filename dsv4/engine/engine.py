@@ -159,7 +159,7 @@ class Engine:
         self._tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
-        tok = self.tokenizer  # structured outputs: xgrammar over this vocabulary, built at the first use
+        tok = self.tokenizer  # structured outputs: llguidance over this vocabulary, built at the first use
         self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
                                  think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
                                  think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,

@@ -1,13 +1,14 @@
-"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, EBNF)
-compiled by xgrammar into per-token masks, kept exact under MTP speculative decoding.
+"""Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, EBNF or
+Lark) turned by llguidance into per-token masks, kept exact under MTP speculative decoding.
 
 * `check_spec(spec)`: the shape of `SamplingParams.structured` (one of `json_schema`,
-  `json_object`, `regex`, `choice`, `ebnf`; at most `MAX_SPEC_BYTES` of JSON), no xgrammar needed.
+  `json_object`, `regex`, `choice`, `ebnf`; at most `MAX_SPEC_BYTES` of JSON), no llguidance needed.
 * `Grammars` (one per engine): `submit(spec)` compiles in the background (`grammar_compile`:
-  worker processes, a time budget, a cache), over xgrammar's `TokenizerInfo` of the vocabulary
+  worker processes, a time budget, a cache), over llguidance's tokenizer of the vocabulary
   (each id's bytes, `Tokenizer.token_bytes`; special added tokens, `<think>`, `</think>` and ids
   past the tokenizer's vocabulary are never allowed, other added tokens such as V4's `｜DSML｜`
-  are their text), EOS as its stop token. `state(compiled, prompt_ids)` -> a `GrammarState`.
+  are their text), EOS as its stop token. `state(compiled, prompt_ids)` -> a `GrammarState`
+  (a copy of the compiled grammar's initial matcher: no grammar work on the engine's loop).
 * `GrammarState` (one per request, on rank 0): `masks(drafts)` gives the bitmask of every
   verified row: row j's after accepting drafts 0..j-1 into the matcher, then rolled back;
   a draft the grammar refuses leaves the rows after it unconstrained (verification stops
@@ -17,7 +18,7 @@ compiled by xgrammar into per-token masks, kept exact under MTP speculative deco
 * `draft_masks(logits, heads, drafts)`: the MTP's logits masked the same way, each draft
   after the drafts before it (better acceptance; exactness needs only the verify masks).
 * `apply_masks(logits, rows, bitmask)`: logits of the constrained rows set to -inf where
-  the mask forbids; any device (the bits unpack with torch, no xgrammar kernel).
+  the mask forbids; any device.
 
 The grammar's only stop token is EOS: once the answer is complete only EOS is allowed, and
 the scheduler ends a constrained request at EOS even under `ignore_eos`.
@@ -36,14 +37,14 @@ if TYPE_CHECKING:  # torch is imported where tensors are made: `check_spec` runs
 
     import torch
 
-    from .grammar_compile import CompilePool
+    from .grammar_compile import CompilePool, Compiled
 
     from .tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 MAX_SPEC_BYTES = 64 << 10  # a spec's JSON: larger schemas are refused
 MAX_CHOICES = 1024
-INSTALL_HINT = "scripts/venv.sh http,structured, or pip install 'dsv4[structured]'"
+INSTALL_HINT = "scripts/venv.sh http, or pip install 'dsv4[http]'"
 
 
 def check_spec(spec: Any) -> None:
@@ -91,12 +92,12 @@ class Grammars:
     def submit(self, spec: dict[str, Any]) -> "Future":
         """A Future of the compiled grammar of a checked spec (`grammar_compile.CompilePool`:
         off this thread, in a worker process, within the budget); it fails with a one-line
-        `RequestError` (no xgrammar, no tokenizer, a grammar that does not compile or is over
+        `RequestError` (no llguidance, no tokenizer, a grammar that does not compile or is over
         budget) or `RequestBusy`. Cancelling it drops the compile."""
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    from .grammar_compile import CompilePool
+                    from .grammar_compile import CompilePool, Compiled
 
                     self._pool = CompilePool(self._tokenizer_info, budget_s=self.budget_s)
         return self._pool.submit(spec)
@@ -113,13 +114,15 @@ class Grammars:
             self._pool.close()
             self._pool = None
 
-    def _tokenizer_info(self) -> tuple[str, Any]:
-        """xgrammar's TokenizerInfo of this vocabulary, and its JSON for the workers (built once,
-        on the compile pool's thread: ~1.5 s for V4's 129k ids)."""
+    def _tokenizer_info(self) -> tuple[dict[str, Any], "Future"]:
+        """The workers' vocabulary message and a Future of llguidance's tokenizer of it (built
+        once, the message on the compile pool's thread, the tokenizer on a thread of its own:
+        ~4 s for V4's 129k ids)."""
         try:
-            import xgrammar as xgr
+            from .grammar_worker import tokenizer
+            import llguidance  # noqa: F401
         except ImportError:
-            raise RequestError(f"structured outputs need xgrammar, which is not installed: {INSTALL_HINT}") \
+            raise RequestError(f"structured outputs need llguidance, which is not installed: {INSTALL_HINT}") \
                 from None
         tok = self.tokenizer
         if tok is None:
@@ -128,48 +131,65 @@ class Grammars:
         n = min(tok.vocab_size, self.vocab_size)
         vocab = [b"" if i in special else tok.token_bytes(i) for i in range(n)]
         vocab += [b""] * (self.vocab_size - n)
-        stop = [self.eos_id] if self.eos_id is not None else None
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stop)
-        return info.serialize_json(), info
+        eos = self.eos_id if self.eos_id is not None else self.vocab_size - 1
+        msg = {"tokens": vocab, "special": sorted(i for i in special if i < self.vocab_size), "eos": eos,
+               "tokenizer_json": tok.to_json()}
+        from concurrent.futures import Future
 
-    def state(self, compiled: Any, prompt_ids: Sequence[int]) -> "GrammarState":
-        """A fresh matcher of a compiled grammar for a request (cheap: the engine loop calls it);
-        it starts unconstrained when the prompt ends in `<think>`."""
-        import xgrammar as xgr
+        built: Future = Future()  # the in-process copy builds while the workers start (two cores, not one after the other)
 
-        matcher = xgr.GrammarMatcher(compiled)
+        def build() -> None:
+            try:
+                built.set_result(tokenizer(msg))
+            except BaseException as e:  # noqa: BLE001  (reported to the first compile that needs it)
+                built.set_exception(e)
+
+        threading.Thread(target=build, name="dsv4-grammar-vocab", daemon=True).start()
+        return msg, built
+
+    def state(self, compiled: "Compiled", prompt_ids: Sequence[int]) -> "GrammarState":
+        """A fresh matcher of a compiled grammar for a request (a copy of its initial matcher:
+        cheap, the engine loop calls it); it starts unconstrained when the prompt ends in `<think>`."""
         thinking = self.think_start is not None and bool(prompt_ids) and prompt_ids[-1] == self.think_start
-        return GrammarState(matcher, self.vocab_size, active=not thinking, think_end=self.think_end)
+        return GrammarState(compiled.matcher.deep_copy(), self.vocab_size, active=not thinking,
+                            think_end=self.think_end, eos=self.eos_id)
 
 
 class GrammarState:
-    """One request's matcher and its thinking switch (module docstring)."""
+    """One request's matcher, its thinking switch and whether it has ended (module docstring).
+    EOS is the grammar's stop token: it is never consumed by the matcher (llguidance's matcher
+    only says it is allowed, once the grammar is satisfied); taking it ends the grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int, *, active: bool = True, think_end: int | None = None) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, *, active: bool = True, think_end: int | None = None,
+                 eos: int | None = None) -> None:
         self.matcher, self.vocab_size = matcher, vocab_size
         self.active = active  # False until </think> in thinking mode
-        self.think_end = think_end
+        self.think_end, self.eos = think_end, eos
+        self.done = False  # EOS taken (or the matcher failed): nothing more is constrained
 
     @property
     def terminated(self) -> bool:
-        return bool(self.matcher.is_terminated())
+        """The grammar has taken its stop token (EOS): nothing more is constrained."""
+        return self.done
 
     def masks(self, drafts: Sequence[int], out: torch.Tensor, first: int = 0, last_only: bool = False
               ) -> list[bool]:
         """Fill rows first.. of `out` [R, words] int32 with the bitmask of each verified row
         (row first + j: after drafts 0..j-1); returns which of the len(drafts) + 1 rows are
         constrained. The matcher ends where it began. `last_only`: fill only the last row."""
-        m, active, dead, accepted = self.matcher, self.active, False, 0
+        m, active, dead, ended, accepted = self.matcher, self.active, False, self.done, 0
         rows = []
         for j in range(len(drafts) + 1):
-            live = active and not dead and not m.is_terminated()
+            live = active and not dead and not ended
             if live and (not last_only or j == len(drafts)):
-                m.fill_next_token_bitmask(out, first + j)
+                _fill(m, out, first + j)
             rows.append(live)
             if j < len(drafts):
                 d = int(drafts[j])
                 if live:
-                    if m.accept_token(d):
+                    if d == self.eos and m.validate_tokens([d]) == 1:
+                        ended = True  # the grammar's end: the rows after it are free
+                    elif d != self.eos and m.try_consume_tokens([d]) == 1:  # refused: the matcher is as it was
                         accepted += 1
                     else:
                         dead = True  # row j forbids d: verification stops there
@@ -190,33 +210,50 @@ class GrammarState:
             if not self.active:
                 self.active = int(t) == self.think_end
                 continue
-            if self.matcher.is_terminated():
+            if self.done:
                 return
-            self.matcher.accept_token(int(t))
+            if int(t) == self.eos or not self.matcher.consume_token(int(t)):
+                self.done = True  # EOS; or a token the mask forbade (a bug), after which nothing is constrained
 
 
 def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:
     """`logits` [R, V] with each row of `rows` limited to the tokens its row of `bitmask`
     [R, words] allows (-inf elsewhere): a new tensor, `logits` itself when `rows` is empty.
-    On CPU xgrammar's kernel does it (0.16 ms for 3 rows of 129k: unpacking the bits with
-    torch took 5 ms); elsewhere torch unpacks the bytes of the constrained rows through a table."""
+    On CPU numpy unpacks the bits; elsewhere torch unpacks the bytes of the constrained rows
+    through a table."""
     if not rows:
         return logits
     import torch
 
     out = logits.clone()
-    if out.device.type == "cpu" and out.dtype in (torch.float32, torch.bfloat16, torch.float16):
-        import xgrammar as xgr
-
-        xgr.apply_token_bitmask_inplace(out, bitmask, indices=list(rows), backend="cpu")
-        return out
-    v, dev = logits.shape[-1], logits.device
+    dev = logits.device
+    allowed = unpack(bitmask[list(rows)], logits.shape[-1], numpy=dev.type == "cpu").to(dev)  # [n, V]
     idx = torch.tensor(list(rows), dtype=torch.long, device=dev)
-    words = bitmask[list(rows)].to(dev).contiguous()  # [n, W] int32, bit b of word w: token 32 w + b
-    table = (torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)) & 1  # [256, 8]
-    allowed = table.bool()[words.view(torch.uint8).long()].reshape(len(rows), -1)[:, :v]  # little-endian bytes
     out[idx] = out[idx].masked_fill(~allowed, float("-inf"))
     return out
+
+
+def unpack(words: "torch.Tensor", v: int, *, numpy: bool = True) -> "torch.Tensor":
+    """Bitmask rows [n, W] int32 (bit b of word w: token 32 w + b) -> allowed [n, v] bool, by
+    numpy's unpackbits (CPU: one pass; 0.2 ms a row of 129k) or through a byte table in torch
+    (any device: torch's table lookup took 5 ms for 3 rows on the CPU)."""
+    import torch
+
+    words = words.contiguous()
+    if numpy:
+        import numpy as np
+
+        bits = np.unpackbits(words.cpu().numpy().view(np.uint8), axis=1, bitorder="little")[:, :v]
+        return torch.from_numpy(bits).bool()
+    dev = words.device
+    table = (torch.arange(256, device=dev)[:, None] >> torch.arange(8, device=dev)) & 1  # [256, 8]
+    return table.bool()[words.view(torch.uint8).long()].reshape(words.shape[0], -1)[:, :v]  # little-endian bytes
+
+
+def _fill(matcher: Any, out: "torch.Tensor", row: int) -> None:
+    """Write `matcher`'s next-token bitmask into row `row` of `out` [R, words] int32 (CPU)."""
+    v = out[row]
+    matcher.unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
 
 
 def draft_masks(logits: torch.Tensor, heads: Sequence[Any], drafts: dict[int, list[int]]) -> torch.Tensor:

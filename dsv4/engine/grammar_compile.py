@@ -1,7 +1,7 @@
 """Structured-output grammars compiled off the engine loop, in worker processes, within a budget.
 
     pool = CompilePool(tokenizer_info, budget_s=10.0)
-    fut = pool.submit(spec)    # any thread: a concurrent.futures.Future of xgrammar's CompiledGrammar
+    fut = pool.submit(spec)    # any thread: a concurrent.futures.Future of a `Compiled` grammar
     fut.cancel()               # the client went away: the compile is dropped (its worker killed)
 
 One dispatcher thread owns the cache, the jobs and the lanes; `submit` and a cancel only put
@@ -10,8 +10,8 @@ lookup or an eviction. Each worker is a process (`grammar_worker`) driven by a t
 its own: over the budget it is killed, not waited for, and started again for the next job.
 
 Lanes: a spec of at most SMALL_SPEC_BYTES goes to the small lane (one worker). Its worker
-parses it first (milliseconds) and sends a grammar that is not light (`grammar_worker.is_light`:
-many character classes, or long) on to the large lane uncompiled; a light one may compile for
+translates it first (milliseconds) and sends a grammar that is not light (`grammar_worker.is_light`:
+long) on to the large lane unbuilt; a light one may compile for
 SMALL_SLICE_S, past which it too moves on (its worker killed and started again at once). So a
 small grammar waits only behind other light ones, never behind a schema that compiles for seconds.
 The large lane has `large_workers` processes (several where cores allow). Either lane holds
@@ -45,7 +45,16 @@ SMALL_SPEC_BYTES = 4 << 10
 SMALL_SLICE_S = 1.0
 MAX_QUEUED = 64
 CACHE_SIZE = 32
-START_TIMEOUT_S = 120.0  # a worker's import of xgrammar (torch) on a loaded machine
+START_TIMEOUT_S = 120.0  # a worker's start (llguidance's tokenizer of 129k ids) on a loaded machine
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A grammar that built within the budget: llguidance's grammar text and a matcher of it
+    in its initial state, built on a pool thread; each request's matcher is a copy of it."""
+
+    grammar: str
+    matcher: Any
 
 
 def default_workers() -> int:
@@ -72,12 +81,13 @@ class _Job:
 
 class CompilePool:
     """Grammar compiles in worker processes (module docstring). `tokenizer_info` is a function
-    returning xgrammar's serialised TokenizerInfo (built once, on the dispatcher thread)."""
+    returning (the workers' vocabulary message, a Future of llguidance's tokenizer), called
+    once, on the dispatcher thread."""
 
     def __init__(self, tokenizer_info: Any, *, budget_s: float = 10.0, large_workers: int | None = None) -> None:
         self.budget_s = budget_s
         self._info_fn = tokenizer_info
-        self._info: Any = None  # (json, TokenizerInfo) once built
+        self._info: Any = None  # (vocabulary message, Future of the LLTokenizer) once built
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._cache: OrderedDict[str, Any] = OrderedDict()
         self._jobs: dict[str, _Job] = {}
@@ -156,7 +166,7 @@ class CompilePool:
         try:
             self._info = self._info_fn()
             return True
-        except RequestError as e:  # xgrammar missing, no tokenizer
+        except RequestError as e:  # llguidance missing, no tokenizer
             fut.set_exception(e)
             return False
 
@@ -292,9 +302,10 @@ class _Worker:
             return "crashed", f"{job.what}: the grammar compiler failed ({type(e).__name__}); see the daemon's log"
         if status != "ok":
             return status, payload  # "err" (one line) or "heavy"
-        import xgrammar as xgr
+        import llguidance as llg
 
-        return "ok", xgr.CompiledGrammar.deserialize_json(payload, self.pool._info[1])
+        tok = self.pool._info[1].result()  # this pool thread waits for it, never the engine's loop
+        return "ok", Compiled(payload, llg.LLMatcher(tok, payload, log_level=0))
 
     def _start(self) -> None:
         """A fresh worker process with the vocabulary; waits until it is ready."""

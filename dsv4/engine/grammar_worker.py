@@ -1,16 +1,18 @@
-"""One grammar-compile worker process: a structured-output spec in, xgrammar's serialised
-`CompiledGrammar` out (`grammar_compile.CompilePool` starts, feeds and kills it).
+"""One grammar-compile worker process: a structured-output spec in, a checked llguidance grammar
+out (`grammar_compile.CompilePool` starts, feeds and kills it).
 
     python -m dsv4.engine.grammar_worker FD      # FD: its end of a socketpair
 
-Messages (pickled by `multiprocessing.connection`): first the vocabulary as xgrammar's
-serialised `TokenizerInfo` (answered "ready"); then ("compile", spec, light_only) -> ("ok", json),
-("err", one line), or ("heavy", None) when `light_only` and the grammar is not light (`is_light`:
-the small lane sends it on to the large lane without compiling).
-A spec is refused before any vocabulary work when its expanded grammar has more than
-MAX_CHAR_CLASSES character classes (their cost grows with the vocabulary: 1,500 negated
-classes compiled for over 120 s against V4's); the time budget is the pool's (it kills the
-process). The process exits when its parent's end closes.
+Messages (pickled by `multiprocessing.connection`): first the vocabulary (`Grammars._tokenizer_info`'s
+dict: each id's bytes, the special ids, EOS, tokenizer.json's text; answered "ready" once its
+tokenizer is built); then ("compile", spec,
+light_only) -> ("ok", grammar), ("err", one line), or ("heavy", None) when `light_only` and
+the grammar is not light (`is_light`: the small lane sends it on to the large lane without
+building it). "Compiling" is: the spec translated to llguidance's grammar (`to_grammar`),
+validated against the vocabulary, and a matcher built and asked for its first mask, so that
+every cost of the grammar is paid here, within the pool's time budget (it kills the process),
+and a grammar that llguidance refuses (or that hits its parser limits) is a one-line error.
+The process exits when its parent's end closes.
 """
 
 from __future__ import annotations
@@ -19,85 +21,140 @@ import json
 import sys
 from typing import Any
 
-MAX_CHAR_CLASSES = 512  # `[...]` classes of the expanded grammar (a 60-field schema has ~50)
-# A grammar "light" enough for the small lane (`grammar_compile`): its cost is small whatever the vocabulary
-LIGHT_CLASSES = 32
-LIGHT_CHARS = 8 << 10  # of the expanded grammar's text
+LIGHT_BYTES = 8 << 10  # of the llguidance grammar: a "light" one belongs in the small lane
 MAX_JSON_WHITESPACE = 16  # each run of whitespace in JSON: a model cannot pad forever
-_WHITESPACE = {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
+JSON_OPTIONS = {"whitespace_flexible": True, "whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_JSON_WHITESPACE}}}"}
 
 
-def choice_ebnf(choices: list[str]) -> str:
-    """An EBNF grammar whose sentences are exactly `choices`."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "additionalItems", "unevaluatedProperties", "unevaluatedItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 
 
-def parse(spec: dict[str, Any]) -> Any:
-    """The xgrammar `Grammar` of a checked spec (cheap: no vocabulary work); ValueError with
-    one line when it does not parse or is over the character-class budget."""
-    import xgrammar as xgr
+def strict(schema: Any) -> Any:
+    """A copy of a JSON schema in which every object that lists `properties` and says nothing
+    of others allows no others (`additionalProperties: false`): what a caller of an API with a
+    schema means (xgrammar's strict mode, OpenAI's strict schemas), and a bound on what a model
+    can write into a key it invents."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    for k in _SUBSCHEMA:
+        if k in out:
+            out[k] = strict(out[k])
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: strict(v) for name, v in out[k].items()}
+    for k in _SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [strict(v) for v in out[k]]
+    return out
+
+
+def choice_lark(choices: list[str]) -> str:
+    """A Lark grammar whose sentences are exactly `choices` (JSON string escapes)."""
+    return "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def to_grammar(spec: dict[str, Any]) -> str:
+    """The llguidance grammar (its JSON form) of a checked spec: no vocabulary work. `ebnf`
+    takes GBNF (`root ::= ...`, as vLLM's guided_grammar and the forced tool calls write it)
+    or Lark. ValueError with one line when it cannot be translated."""
+    import llguidance as llg
+    from llguidance.gbnf_to_lark import any_to_lark
 
     (kind, value), = spec.items()
     try:
-        if kind == "json_object":  # an object (xgrammar's builtin JSON grammar takes any value)
-            g = xgr.Grammar.from_json_schema('{"type": "object"}', strict_mode=False, **_WHITESPACE)
-        elif kind == "json_schema":
-            schema = value if isinstance(value, str) else json.dumps(value)
-            g = xgr.Grammar.from_json_schema(schema, strict_mode=True, **_WHITESPACE)
-        elif kind == "regex":
-            g = xgr.Grammar.from_regex(value)
-        elif kind == "choice":
-            g = xgr.Grammar.from_ebnf(choice_ebnf(value))
-        else:
-            g = xgr.Grammar.from_ebnf(value)
-    except Exception as e:  # noqa: BLE001  (xgrammar raises RuntimeError/ValueError/its own types)
-        msg = " ".join(str(e).split()) or type(e).__name__
-        raise ValueError(f"structured {kind}: cannot compile: {msg[:300]}") from None
-    classes = str(g).count("[")
-    if classes > MAX_CHAR_CLASSES:
-        raise ValueError(f"structured {kind}: the grammar has {classes} character classes, over the limit of "
-                         f"{MAX_CHAR_CLASSES}; send a simpler grammar")
-    return g
+        if kind == "json_object":  # any object
+            return llg.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
+        if kind == "json_schema":
+            schema = json.loads(value) if isinstance(value, str) else value
+            return llg.LLMatcher.grammar_from_json_schema(strict(schema), overrides=JSON_OPTIONS)
+        if kind == "regex":
+            return llg.LLMatcher.grammar_from_regex(value)
+        if kind == "choice":
+            return llg.LLMatcher.grammar_from_lark(choice_lark(value))
+        return llg.LLMatcher.grammar_from_lark(any_to_lark(value))
+    except Exception as e:  # noqa: BLE001  (llguidance raises ValueError, the GBNF reader its own)
+        raise ValueError(f"structured {kind}: cannot compile: {_line(e)}") from None
 
 
-def is_light(grammar: Any) -> bool:
-    """Whether a parsed grammar belongs in the small lane (few character classes, short)."""
-    text = str(grammar)
-    return text.count("[") <= LIGHT_CLASSES and len(text) <= LIGHT_CHARS
+def _line(e: BaseException | str) -> str:
+    msg = " ".join(str(e).split()) or (type(e).__name__ if isinstance(e, BaseException) else "")
+    return msg[:300]
 
 
-def compile_spec(compiler: Any, spec: dict[str, Any], light_only: bool = False) -> Any:
-    """`compiler` (an xgrammar GrammarCompiler) applied to a checked spec; ValueError (one line).
-    `light_only`: None, without compiling, when the grammar is not light (`is_light`)."""
-    grammar = parse(spec)
+def is_light(grammar: str) -> bool:
+    """Whether a translated grammar belongs in the small lane (short)."""
+    return len(grammar) <= LIGHT_BYTES
+
+
+def tokenizer(vocab: dict[str, Any]) -> Any:
+    """llguidance's tokenizer of `Grammars._tokenizer_info`'s message, ready for masks (~4 s for
+    V4's 129k ids, most of it the token trie its first matcher builds)."""
+    import llguidance as llg
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(vocab["tokenizer_json"])
+
+    class _Vocab:  # what llguidance.TokenizerWrapper reads
+        eos_token_id, bos_token_id = vocab["eos"], None
+        tokens, special_token_ids = vocab["tokens"], vocab["special"]
+
+        def __call__(self, s: Any) -> list[int]:  # the canonical ids of text the grammar forces
+            text = s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s
+            return hf.encode(text, add_special_tokens=False).ids
+
+    tok = llg.LLTokenizer(llg.TokenizerWrapper(_Vocab()), n_vocab=len(vocab["tokens"]), eos_token=vocab["eos"])
+    check(tok, llg.LLMatcher.grammar_from_regex("[a-z]+"), "warm-up")  # the first matcher builds the token trie (~3 s)
+    return tok
+
+
+def check(tok: Any, grammar: str, what: str) -> None:
+    """Validate `grammar` against the vocabulary and build its first mask; ValueError (one line)."""
+    import llguidance as llg
+    import llguidance.torch as llt
+
+    err = llg.LLMatcher.validate_grammar(grammar, tok)
+    if err:
+        raise ValueError(f"structured {what}: cannot compile: {_line(err)}")
+    m = llg.LLMatcher(tok, grammar, log_level=0)
+    llt.fill_next_token_bitmask(m, llt.allocate_token_bitmask(1, tok.vocab_size), 0)
+    if m.is_error():
+        raise ValueError(f"structured {what}: cannot compile: {_line(m.get_error())}")
+
+
+def compile_spec(tok: Any, spec: dict[str, Any], light_only: bool = False) -> str | None:
+    """The checked grammar of a spec; ValueError (one line). `light_only`: None, without
+    building it, when the grammar is not light (`is_light`)."""
+    grammar = to_grammar(spec)
     if light_only and not is_light(grammar):
         return None
-    try:
-        return compiler.compile_grammar(grammar)
-    except Exception as e:  # noqa: BLE001
-        msg = " ".join(str(e).split()) or type(e).__name__
-        raise ValueError(f"structured {next(iter(spec))}: cannot compile: {msg[:300]}") from None
+    check(tok, grammar, next(iter(spec)))
+    return grammar
 
 
 def main(fd: int) -> None:
     import socket
     from multiprocessing.connection import Connection
 
-    import xgrammar as xgr
-
     _die_with_parent()
     conn = Connection(socket.socket(fileno=fd).detach())
     try:
-        info = xgr.TokenizerInfo.deserialize_json(conn.recv())
-        compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        tok = tokenizer(conn.recv())
         conn.send("ready")
         while True:
             op, spec, light_only = conn.recv()
             if op != "compile":
                 return
             try:
-                compiled = compile_spec(compiler, spec, light_only)
-                conn.send(("heavy", None) if compiled is None else ("ok", compiled.serialize_json()))
+                grammar = compile_spec(tok, spec, light_only)
+                conn.send(("heavy", None) if grammar is None else ("ok", grammar))
             except ValueError as e:
                 conn.send(("err", str(e)))
     except (EOFError, OSError, KeyboardInterrupt):

@@ -80,6 +80,10 @@ class Tokenizer:
         # UTF-8 bytes of the longest vocabulary entry: an upper bound on the text one token covers
         self.max_token_bytes = max((len(t.encode("utf-8")) for t in self._tok.get_vocab(True)), default=1)
 
+    def to_json(self) -> str:
+        """This tokenizer as tokenizer.json text (for a process that needs its own copy)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         """Load `tokenizer.json` and, when present, `tokenizer_config.json` from a model directory."""

@@ -11,7 +11,7 @@ Read, at most one of them per request:
 * vLLM's older extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
 
 The result is a map `{kind: value}` (`dsv4.engine.grammar.KINDS`): the daemon compiles it, and
-answers a grammar that does not compile, a schema over 64 KiB or a server without xgrammar
+answers a grammar that does not compile, a schema over 64 KiB or a server without llguidance
 with a 400. Shapes wrong here are a 400 `ApiError` naming the field.
 """
 

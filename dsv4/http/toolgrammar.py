@@ -1,6 +1,6 @@
 """The grammar that forces a DSML tool call: `tool_choice` "required" or a named function.
 
-`tool_call_ebnf(functions, name)` is an EBNF grammar (compiled by xgrammar, `SamplingParams.
+`tool_call_ebnf(functions, name)` is a GBNF grammar (translated to Lark for llguidance, `SamplingParams.
 structured = {"ebnf": ...}`) whose sentences are exactly the `<｜DSML｜tool_calls>` blocks
 DeepSeek V4's encoder writes (`dsv4.agents.encoding._tool_calls`): `\\n\\n<｜DSML｜tool_calls>\\n`,
 one or more `invoke`s separated by a single `\\n` (parallel calls), each of a listed function
@@ -32,7 +32,7 @@ text ::= ([^<] | "<" [^/])*
 
 
 def _lit(s: str) -> str:
-    """An EBNF string literal (JSON's escapes, which xgrammar reads)."""
+    """A GBNF string literal (JSON's escapes, which the GBNF reader takes)."""
     return json.dumps(s, ensure_ascii=False)
 
 

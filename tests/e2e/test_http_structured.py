@@ -15,7 +15,7 @@ import pytest
 from tests.e2e.util import openai_server
 from tests.model.test_structured import SCHEMA, validate
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 KEY = "sk-test-structured"
 MSGS = [{"role": "user", "content": "Who goes there?"}]
 
@@ -135,19 +135,19 @@ def test_forced_tool_choice_makes_a_valid_call(v4_client, choice, name):
     assert finished
 
 
-def test_without_xgrammar_a_structured_request_is_400_naming_what_to_install(tiny_model, tmp_path):
-    """A daemon that cannot import xgrammar (a stand-in package that raises ImportError) answers
+def test_without_llguidance_a_structured_request_is_400_naming_what_to_install(tiny_model, tmp_path):
+    """A daemon that cannot import llguidance (a stand-in package that raises ImportError) answers
     a structured-output request with a 400 that says how to install it; others run as before."""
     import os
 
-    fake = tmp_path / "no-xgrammar" / "xgrammar"
+    fake = tmp_path / "no-llguidance" / "llguidance"
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text('raise ImportError("xgrammar is hidden for this test")\n')
+    (fake / "__init__.py").write_text('raise ImportError("llguidance is hidden for this test")\n')
     path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH", "")) if p)
     with openai_server(tiny_model, key=KEY, PYTHONPATH=path) as (c, _):
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=_name(c), messages=MSGS, max_tokens=4,
                                       response_format={"type": "json_object"})
         msg = e.value.body["message"]
-        assert e.value.status_code == 400 and "xgrammar" in msg and "scripts/venv.sh http,structured" in msg
+        assert e.value.status_code == 400 and "llguidance" in msg and "scripts/venv.sh http" in msg
         assert c.chat.completions.create(model=_name(c), messages=MSGS, max_tokens=2).usage.completion_tokens == 2

@@ -108,7 +108,7 @@ def test_agent_fields_are_accepted_and_forced_tool_choice_calls(server):
     body = {"messages": LOOP, "tools": [WEATHER], "max_tokens": 2, "temperature": 0}
     status, got = _call(server, "POST", "/v1/chat/completions", body)
     assert status == 200 and got["choices"][0]["finish_reason"], got
-    if importlib.util.find_spec("xgrammar") is not None:  # a grammar forces the call
+    if importlib.util.find_spec("llguidance") is not None:  # a grammar forces the call
         for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
             status, got = _call(server, "POST", "/v1/chat/completions",
                                 {**body, "tool_choice": choice, "max_tokens": 200})

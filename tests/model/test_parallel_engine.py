@@ -165,7 +165,7 @@ def test_structured_output_at_two_ranks(tiny_checkpoint):
     """A JSON-schema request at T = 2, K = 2 (rank 0 masks the verified rows and the drafts,
     and sends each depth's drafts to rank 1): the tokens of T = 1, K = 0, and as many drafts
     accepted as at T = 1, K = 2."""
-    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
     from tests.model.test_structured import SCHEMA
 
     threads = torch.get_num_threads()

@@ -17,7 +17,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.engine.request import RequestError
 from tests.checkpoints import write_tiny_checkpoint
 
-pytest.importorskip("xgrammar")
+pytest.importorskip("llguidance")
 pytestmark = pytest.mark.exact
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[A-Za-z ]{1,8}$"},
@@ -178,17 +178,20 @@ def test_thinking_mode_constrains_after_think_end(tmp_path):
     token is obeyed there (a constrained row forbids it), then the JSON follows."""
     from dsv4.engine.grammar import GrammarState
 
-    class Matcher:  # records what the grammar sees
+    class Matcher:  # records what the grammar sees (llguidance's LLMatcher calls, every token allowed in)
         def __init__(self):
             self.seen = []
 
-        def is_terminated(self):
-            return False
+        def unsafe_compute_mask_ptr(self, ptr, size):  # a mask that forbids everything: visible in bm
+            import ctypes
 
-        def fill_next_token_bitmask(self, out, j):
-            out[j] = 0
+            ctypes.memset(ptr, 0, size)
 
-        def accept_token(self, t):
+        def try_consume_tokens(self, ts):
+            self.seen += ts
+            return len(ts)
+
+        def consume_token(self, t):
             self.seen.append(t)
             return True
 
