@@ -44,6 +44,7 @@ from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
+from dsv4.daemon.process import log_finished, rss_bytes
 from dsv4.daemon.watch import StepWatch
 
 IDLE_POLL_MS = 1000
@@ -357,7 +358,7 @@ class Server(Admission):
                 if msg["type"] == "final":
                     self._forget(out.request_id)
                     self._send(live.client, msg)
-                    _log_finished(out)
+                    log_finished(out)
                 elif not self._send(live.client, msg):
                     break  # the client is gone; its requests are cancelled
 
@@ -420,7 +421,7 @@ class Server(Admission):
             "in_flight": len(self._live) + len(self._pending),
             "connections": self._guard.open if self._guard is not None else None,
             "max_connections": self.max_connections,
-            "memory_rss_bytes": _rss_bytes(),
+            "memory_rss_bytes": rss_bytes(),
         }
 
 
@@ -428,25 +429,6 @@ def _test_step_delay() -> float:
     """$DSV4_TEST_STEP_DELAY_S: seconds added to every engine step, for the liveness tests."""
     text = os.environ.get("DSV4_TEST_STEP_DELAY_S", "").strip()
     return float(text) if text else 0.0
-
-
-def _rss_bytes() -> int | None:
-    """Resident memory of this process (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _log_finished(out: Any) -> None:
-    m = out.metrics or {}
-    u, t, sp = m.get("usage") or {}, m.get("timings") or {}, m.get("spec") or {}
-    ms = lambda v: "-" if not isinstance(v, (int, float)) else f"{v * 1000:.0f} ms"  # noqa: E731
-    log.info("%s finished (%s): %s prompt + %s output tokens, ttft %s, tpot %s, drafts accepted %s/%s%s",
-             out.request_id, out.finish_reason, u.get("prompt_tokens"), u.get("completion_tokens"),
-             ms(t.get("ttft_s")), ms(t.get("tpot_s")), sp.get("accepted", 0), sp.get("drafted", 0),
-             f", error: {out.error}" if out.error else "")
 
 
 def _sampling_params(d: dict) -> Any:

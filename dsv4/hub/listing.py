@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..engine.checks import available_memory
 from .cache import INDEX_NAME, cache_dir, missing_files
 
 QUANTIZATION_KEY = "dsv4_quantization"  # dsv4/model/checkpoint.py: a `dsv4 convert` output records its format here
@@ -92,18 +93,6 @@ def weights_fit(weight_bytes: int) -> tuple[Optional[bool], Optional[int], str]:
     if available is None:
         return None, None, "memory available unknown"
     return weight_bytes <= available, available, "stored weight bytes against MemAvailable"
-
-
-def available_memory() -> Optional[int]:
-    """MemAvailable from /proc/meminfo, in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def describe(repo_id: str, commit: str, refs: list[str], snap: Path, size_on_disk: int) -> CachedModel:
