@@ -42,26 +42,6 @@ def setup_logging() -> None:
                         format="%(asctime)s dsv4[%(process)d] %(levelname)s %(message)s", force=True)
 
 
-def rss_bytes() -> int | None:
-    """Resident memory of this process (Linux /proc; None elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def log_finished(out: Any) -> None:
-    """One log line for a finished request: tokens, TTFT, TPOT, drafts accepted, error."""
-    m = out.metrics or {}
-    u, t, sp = m.get("usage") or {}, m.get("timings") or {}, m.get("spec") or {}
-    ms = lambda v: "-" if not isinstance(v, (int, float)) else f"{v * 1000:.0f} ms"  # noqa: E731
-    log.info("%s finished (%s): %s prompt + %s output tokens, ttft %s, tpot %s, drafts accepted %s/%s%s",
-             out.request_id, out.finish_reason, u.get("prompt_tokens"), u.get("completion_tokens"),
-             ms(t.get("ttft_s")), ms(t.get("tpot_s")), sp.get("accepted", 0), sp.get("drafted", 0),
-             f", error: {out.error}" if out.error else "")
-
-
 def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -44,8 +44,7 @@ from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
-from dsv4.daemon.process import log_finished, rss_bytes
-from dsv4.daemon.watch import StepWatch
+from dsv4.daemon.watch import StepWatch, log_finished, rss_bytes
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import zmq
 
@@ -138,3 +139,23 @@ class StepWatch:
             self._held.append(held)
             self._held_bytes += sum(len(f) for f in frames)
             held.answered = self._answer(client, body)
+
+
+def rss_bytes() -> int | None:
+    """Resident memory of this process (Linux /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def log_finished(out: Any) -> None:
+    """One log line for a finished request: tokens, TTFT, TPOT, drafts accepted, error."""
+    m = out.metrics or {}
+    u, t, sp = m.get("usage") or {}, m.get("timings") or {}, m.get("spec") or {}
+    ms = lambda v: "-" if not isinstance(v, (int, float)) else f"{v * 1000:.0f} ms"  # noqa: E731
+    log.info("%s finished (%s): %s prompt + %s output tokens, ttft %s, tpot %s, drafts accepted %s/%s%s",
+             out.request_id, out.finish_reason, u.get("prompt_tokens"), u.get("completion_tokens"),
+             ms(t.get("ttft_s")), ms(t.get("tpot_s")), sp.get("accepted", 0), sp.get("drafted", 0),
+             f", error: {out.error}" if out.error else "")

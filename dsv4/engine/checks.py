@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4.config import ModelConfig
+from dsv4.machine import available_memory
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -194,18 +195,6 @@ def machine_memory(device: str) -> int:
 
         return torch.cuda.get_device_properties(torch.device(device)).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-def available_memory() -> int | None:
-    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def free_memory(device: str) -> int:

@@ -7,17 +7,16 @@ engine's memory plan).
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from ..engine.checks import available_memory
+from ..machine import available_memory
+from ..safetensors_header import SafetensorsError, read_header
 from .cache import INDEX_NAME, cache_dir, missing_files
 
 QUANTIZATION_KEY = "dsv4_quantization"  # dsv4/model/checkpoint.py: a `dsv4 convert` output records its format here
-MAX_HEADER = 100 << 20  # a safetensors header larger than this is not believed
 
 
 @dataclass
@@ -49,15 +48,11 @@ def safetensors_dtype_bytes(files: list[Path]) -> Counter:
     out: Counter = Counter()
     for file in files:
         try:
-            with open(file, "rb") as fh:
-                (n,) = struct.unpack("<Q", fh.read(8))
-                if n > MAX_HEADER:
-                    continue
-                header = json.loads(fh.read(n))
-        except (OSError, ValueError, struct.error):
+            header = read_header(file).tensors
+        except SafetensorsError:
             continue  # an unreadable shard: the engine's checkpoint reader names it when loading
-        for name, meta in header.items():
-            if name == "__metadata__" or not isinstance(meta, dict):
+        for meta in header.values():
+            if not isinstance(meta, dict):
                 continue
             try:
                 a, b = meta["data_offsets"]

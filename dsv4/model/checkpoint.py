@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional, Union
@@ -29,6 +28,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Union
 import torch
 import safetensors
 
+from ..safetensors_header import read_header
 from . import quant
 from .quant import dequantize_fp4, dequantize_fp8, fp4_scale_shape, fp8_scale_shape
 
@@ -344,11 +344,11 @@ def _get(f: Any, file: Path, name: str, dtype: str, dim: int = 0,
 
 def _raw_bytes(file: Path, name: str) -> torch.Tensor:
     """Read a 1-byte-per-element tensor straight from the file (torch without float8_e8m0fnu)."""
+    h = read_header(file)
+    meta = h.tensors[name]
+    start, end = meta["data_offsets"]
     with open(file, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        meta = json.loads(fh.read(n))[name]
-        start, end = meta["data_offsets"]
-        fh.seek(8 + n + start)
+        fh.seek(h.data_start + start)
         data = bytearray(fh.read(end - start))
     return torch.frombuffer(data, dtype=torch.uint8).view(meta["shape"])
 

@@ -16,19 +16,16 @@ under a running server can still fault; replace checkpoints by renaming, not in 
 
 from __future__ import annotations
 
-import json
 import mmap
-import os
-import struct
 from pathlib import Path
 
 import torch
 
+from ..safetensors_header import SafetensorsError, read_header
 from .checkpoint import CheckpointError
 
 _DTYPES = {"I8": torch.int8, "U8": torch.uint8, "F8_E8M0": torch.uint8, "BF16": torch.bfloat16,
            "F16": torch.float16, "F32": torch.float32, "I32": torch.int32, "I64": torch.int64}
-_MAX_HEADER = 100 << 20
 
 
 class MappedFiles:
@@ -42,22 +39,17 @@ class MappedFiles:
         if got is not None:
             return got
         try:
+            h = read_header(file)
+            data, header, size = h.data_start, h.tensors, h.file_size
+            for name, meta in header.items():
+                start, end = meta["data_offsets"]
+                if not 0 <= start <= end or data + end > size:
+                    raise CheckpointError(f"truncated or corrupt safetensors file {file}: tensor {name!r} ends at "
+                                          f"byte {data + end}, the file has {size}")
             with open(file, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                head = fh.read(8)
-                (n,) = struct.unpack("<Q", head) if len(head) == 8 else (None,)
-                if n is None or n > min(size - 8, _MAX_HEADER):
-                    raise CheckpointError(f"corrupt safetensors file {file}: its header length does not fit the file")
-                header = json.loads(fh.read(n))
-                data = 8 + n
-                for name, meta in header.items():
-                    if name == "__metadata__":
-                        continue
-                    start, end = meta["data_offsets"]
-                    if not 0 <= start <= end or data + end > size:
-                        raise CheckpointError(f"truncated or corrupt safetensors file {file}: tensor {name!r} ends at "
-                                              f"byte {data + end}, the file has {size}")
                 mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
         self._maps[file] = got = (mm, data, header)

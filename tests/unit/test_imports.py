@@ -119,13 +119,18 @@ def test_no_import_cycles():
 # below the engine (its tokenizer renders chats through it), and so is the draft vocabulary
 # file's format (`dsv4.draft_vocab`, a checkpoint file like config.json), and so is the hub
 # cache (`dsv4.hub`: the engine turns a --model ORG/NAME into a snapshot's directory there).
+# `dsv4.machine` (memory available) and `dsv4.safetensors_header` (a checkpoint file's header)
+# are leaves that the model, the engine and the hub cache read alike.
+LEAVES = {"dsv4.machine", "dsv4.safetensors_header"}
 BELOW = {
-    "dsv4.model": {"dsv4.config", "dsv4.assets", "dsv4.private_paths"},
+    "dsv4.model": {"dsv4.config", "dsv4.assets", "dsv4.private_paths"} | LEAVES,
     "dsv4.engine": {"dsv4.config", "dsv4.assets", "dsv4.private_paths", "dsv4.model", "dsv4.agents.encoding",
-                    "dsv4.draft_vocab", "dsv4.hub"},
+                    "dsv4.draft_vocab", "dsv4.hub"} | LEAVES,
     "dsv4.agents.encoding": set(),
     "dsv4.draft_vocab": set(),
-    "dsv4.hub": set(),
+    "dsv4.hub": set(LEAVES),
+    "dsv4.machine": set(),
+    "dsv4.safetensors_header": set(),
 }
 
 
