@@ -24,7 +24,7 @@ send is decided by the `answer` callback (the server's `_early_pong`), which tou
 the socket and settings fixed at startup.
 
 A pong says that the process and its socket are alive, not that the step will end soon:
-no client fails a request in flight for a missed pong (README, "OpenAI-compatible HTTP API").
+no client fails a request in flight for a missed pong (docs/http-api.md).
 """
 
 from __future__ import annotations

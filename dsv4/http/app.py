@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): /v1/models, /v1/completions, /v1/chat/completions,
 /health, /metrics, and vLLM's /tokenize and /detokenize; and the chat page at / (`dsv4.http.page`).
-What clients may rely on is in the README, "OpenAI-compatible HTTP API".
+What clients may rely on is in docs/http-api.md.
 
 Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
 (one DEALER for the whole app); the reply queue is read until the final message.

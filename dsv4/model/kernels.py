@@ -10,7 +10,7 @@ float row gives the same output bits alone or in any batch, on every CPU. The fl
 around the linears are not bit-identical across batch shapes (MKL and ATen choose kernels by
 shape and by CPU), and per-token rounding turns such a last-bit difference into a one-step
 flip of an int8 activation. So under w8a8, chunked = whole, batched = alone and MTP on = off
-hold within the model's quantisation error, not exactly (README "Quantization": measured
+hold within the model's quantisation error, not exactly (docs/quantization.md: measured
 at most 0.57 of it; tests/model/conftest.py `bound`); in float32 they hold to 1e-5.
 
 Backends, picked by the device of x:
@@ -21,7 +21,7 @@ Backends, picked by the device of x:
 * cuda: `torch._int_mm`, padded to its rules (M > 16, K and N multiples of 8);
 * npu: `torch_npu.npu_dynamic_quant` + `torch_npu.npu_quant_matmul`. UNTESTED on a real
   NPU (none was available): only its layout and scale conversions (`npu_weight_layout`,
-  `npu_rescale_reference`) are tested, on CPU. See README "Quantization".
+  `npu_rescale_reference`) are tested, on CPU. See docs/quantization.md.
 
 `check_kernel(device)` says at startup whether the device has one (`W8A8Error` if not).
 """
