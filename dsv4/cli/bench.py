@@ -76,25 +76,27 @@ class _DaemonBackend:
 
 
 class _LocalBackend:
+    """An engine in this process, driven through `LLM` (the in-process loop)."""
+
     def __init__(self, kw: dict[str, Any]) -> None:
         from dsv4.daemon.process import load_engine
+        from dsv4.engine.llm import LLM
 
-        self.engine = load_engine(O.build_config(kw))
-        self.info = dict(self.engine.status())
+        self.llm = LLM.from_engine(load_engine(O.build_config(kw)))
+        self.info = dict(self.llm.engine.status())
 
     def submit(self, prompt: list[int], params: dict[str, Any]) -> str:
         from dsv4.engine.sampling import SamplingParams
 
-        return self.engine.add_request(prompt, SamplingParams.from_dict(params), prompt_mode="raw")
+        return self.llm.submit(prompt, SamplingParams.from_dict(params), prompt_mode="raw")
 
     def poll(self) -> list[dict[str, Any]]:
         from dsv4.daemon import protocol as P
 
-        outs = self.engine.step() if self.engine.has_unfinished() else []
-        return [msg for out in outs for msg in P.output_messages(out.request_id, out)]
+        return [msg for out in self.llm.step() for msg in P.output_messages(out.request_id, out)]
 
     def close(self) -> None:
-        self.engine.close()  # stops the other tensor-parallel ranks, if any
+        self.llm.close()  # stops the other tensor-parallel ranks, if any
 
 
 def _run_arm(backend: Any, prompts: list[list[int]], params: dict[str, Any], concurrency: int,

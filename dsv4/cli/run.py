@@ -363,6 +363,7 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool,
     is called once the model is loaded, before the request is added."""
     from dsv4.daemon import protocol as P
     from dsv4.daemon.process import load_engine
+    from dsv4.engine.llm import LLM
     from dsv4.engine.request import RequestError
     from dsv4.engine.sampling import SamplingParams
 
@@ -371,21 +372,16 @@ def _local_events(kw: dict[str, Any], request: dict[str, Any], pieces: bool,
         params = SamplingParams.from_dict({**config.sampling_defaults, **request["params"]})
     except RequestError as e:
         raise CliError(str(e), O.EXIT_USAGE) from None
-    engine = load_engine(config)
+    llm = LLM.from_engine(load_engine(config))
     if on_loaded is not None:
         on_loaded()
+    tok = llm.engine.tokenizer
+    detok = tok.detokenizer() if pieces and tok is not None else None
     try:
-        rid = engine.add_request(request["prompt"], params, prompt_mode=request["mode"], system=request["system"],
-                                 thinking=request["thinking"], tools=request.get("tools"))
-    except ValueError as e:  # RequestError
+        for out in llm.stream(request["prompt"], params, prompt_mode=request["mode"], system=request["system"],
+                              thinking=request["thinking"], tools=request.get("tools")):
+            yield from P.output_messages(out.request_id, out, detok)
+    except RequestError as e:  # the prompt refused (too long, bad tools): one line
         raise CliError(str(e)) from None
-    detok = engine.tokenizer.detokenizer() if pieces and engine.tokenizer is not None else None
-    try:
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.request_id == rid:
-                    yield from P.output_messages(rid, out, detok)
-                    if out.finished:
-                        return
     finally:
-        engine.close()
+        llm.close()

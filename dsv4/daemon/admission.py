@@ -29,6 +29,7 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
+from dsv4.daemon.contract import ServedEngine
 from dsv4.daemon.intake import INLINE_TOKENIZE_BYTES
 from dsv4.engine.errors import RequestBusy
 
@@ -132,7 +133,7 @@ class Admission:
         return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.model_name,
                       endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready",
                       max_message_bytes=limit, message_limit_reason=self.frame_limit_reason,
-                      ranks=list(getattr(getattr(self.engine, "ranks", None), "pids", None) or []))
+                      ranks=list(self.engine.ranks.pids) if self.engine.ranks is not None else [])
 
     def _early_pong(self, client: bytes, body: list[bytes]) -> bool:
         """On the watch thread, during a step: answer a ping with the right key at once (True).
@@ -187,7 +188,7 @@ class Admission:
             self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
             return
         try:
-            params = self._make_params(req.params)
+            params = self.engine.make_params(req.params)
         except (ValueError, TypeError) as e:  # RequestError is a ValueError
             self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
             return
@@ -204,22 +205,18 @@ class Admission:
         erid = f"r{self._next_id}"
         self._next_id += 1
         prompt: str | list[int] = req.prompt
-        encode = getattr(self.engine, "encode_request", None)
-        structured = getattr(params, "structured", None)
+        structured = getattr(params, "structured", None)  # SamplingParams's; a fake's params may lack it
         try:
             if req.tools and not isinstance(prompt, str):
                 raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
-            if isinstance(prompt, str) and encode is not None:
+            if isinstance(prompt, str):
                 self.engine.check_text_size(prompt, req.system)  # cheap: refuse before tokenizing
-            big = (encode is not None and isinstance(prompt, str)
-                   and len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES)
+            big = isinstance(prompt, str) and len(prompt) + len(req.system or "") > INLINE_TOKENIZE_BYTES
             if not big:
                 prompt = self._tokenize(req)  # a short text prompt (or ids): here
         except Exception as e:  # noqa: BLE001  (RequestError: this request only)
             self._reject(client, req, erid, e)
             return
-        if structured is not None and not hasattr(self.engine, "submit_grammar"):
-            structured = None  # an engine that compiles in add_request itself (tests' fakes)
         if not big and structured is None:
             self._add(client, state, req, params, erid, prompt)
             return
@@ -243,9 +240,9 @@ class Admission:
         """The prompt's ids (a text prompt with a tokenizer), else the prompt as sent; on the
         intake's worker for a big prompt, else inline."""
         prompt: str | list[int] = req.prompt
-        encode = getattr(self.engine, "encode_request", None)
-        if isinstance(prompt, str) and encode is not None:
-            prompt = encode(prompt, prompt_mode=req.mode, system=req.system, thinking=req.thinking, tools=req.tools)
+        if isinstance(prompt, str):
+            prompt = self.engine.encode_request(prompt, prompt_mode=req.mode, system=req.system,
+                                                thinking=req.thinking, tools=req.tools)
         return prompt
 
     def _reject(self, client: bytes, req: P.Generate, erid: str, e: BaseException) -> None:
@@ -300,20 +297,19 @@ class Admission:
         except Exception as e:  # noqa: BLE001  (RequestError, TokenizerError: this request only)
             self._reject(client, req, erid, e)
             return
-        tokenizer = getattr(self.engine, "tokenizer", None)
+        tokenizer = self.engine.tokenizer
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
         self._live[erid] = Live(client, req.id, pieces, req.client)
         state.requests[req.id] = erid
 
 
-def _length_refusal(engine: Any, prompt: str | list[int], params: Any) -> str | None:
+def _length_refusal(engine: ServedEngine, prompt: str | list[int], params: Any) -> str | None:
     """Why a request asking for `strict_length` cannot run ("max_tokens does not fit"), or None.
 
     As vLLM and OpenAI answer: prompt + max_tokens over max_model_len is refused. A prompt
     that alone leaves no room is left to the engine's own (more specific) refusal."""
-    max_len = getattr(getattr(engine, "config", None), "max_model_len", None)
-    max_tokens = getattr(params, "max_tokens", None)
-    if not isinstance(prompt, list) or not isinstance(max_len, int) or not isinstance(max_tokens, int):
+    max_len, max_tokens = engine.max_model_len, getattr(params, "max_tokens", None)
+    if not isinstance(prompt, list) or not isinstance(max_tokens, int):
         return None
     room = max_len - len(prompt)
     if room < 1 or max_tokens <= room:

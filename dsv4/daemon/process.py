@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Collection
 
 from dsv4 import __version__
+from dsv4.daemon.contract import FrontEnd, FrontEndError
 from dsv4.daemon.paths import PidLock, daemon_pid, log_file, open_log, pid_file, read_pid, remove_stale
 
 log = logging.getLogger("dsv4.daemon")
@@ -188,11 +189,11 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None = None,
+def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key: str | None = None,
                given: Collection[str] | None = None) -> int:
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
-    `dsv4.http.server.HttpServer` for --http, or None; `given`: the engine settings given
-    on the command line (compared with a daemon already running; None = all)."""
+    front end (`dsv4.http.server.HttpServer` for --http), or None; `given`: the engine
+    settings given on the command line (compared with a daemon already running; None = all)."""
     from dsv4.daemon.intake import connection_limit
     from dsv4.daemon.server import RANK_FAILURE, Server
 
@@ -216,11 +217,9 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         print(line, file=sys.stderr)
         return EXIT_OK if same else EXIT_ERROR
     if http is not None:
-        from dsv4.http.server import HttpError
-
         try:
             http.bind()  # a port in use fails now, before the weights load
-        except HttpError as e:
+        except FrontEndError as e:
             log.error("%s", e)
             lock.release()
             return EXIT_ERROR
@@ -239,11 +238,8 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         if http is not None:  # answers /health with 503 (and requests with 503) while the model loads
             import zmq
 
-            from dsv4.http.server import model_tokenizer
-
             ctx = zmq.Context()
-            http.start(ctx, model_name=config.served_model_name, model_path=str(config.model),
-                       max_model_len=config.max_model_len, tokenizer=model_tokenizer(config.model))
+            http.start(ctx, config)
         t0 = time.monotonic()
         engine = load_engine(config)
         model_name = config.served_model_name
@@ -251,27 +247,22 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         for line in config.banner_lines():
             log.info("%s", line)
         log.info("weights: %s resident (%s)", human_bytes(engine.weight_bytes), config.quantization)
-        if getattr(engine, "quant_note", ""):
+        if engine.quant_note:
             log.info("%s", engine.quant_note)
-        if len(getattr(engine, "rank_weight_bytes", ())) > 1:
+        if len(engine.rank_weight_bytes) > 1:
             log.info("weights per rank: %s", ", ".join(f"rank {r} {human_bytes(b)}"
                                                         for r, b in enumerate(engine.rank_weight_bytes)))
         log.info("request state: %s reserved for %d sequences", human_bytes(engine.status()["state_bytes"]),
                  config.max_num_seqs)
-        if getattr(engine, "compile_note", ""):
+        if engine.compile_note:
             log.info("%s", engine.compile_note)
-        building = engine.build_in_background() if hasattr(engine, "build_in_background") else ""
+        building = engine.build_in_background()
         if building:
             log.info("%s", building)
         if engine.policy is not None:
             log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
-        also = ()
-        if http is not None:
-            from dsv4.http.server import INPROC_ENDPOINT
-
-            also = (INPROC_ENDPOINT,)
-        server = Server(engine, endpoint, model_name=model_name, also_bind=also,
-                        make_params=getattr(engine, "make_params", None), context=ctx, api_key=api_key,
+        also = (http.endpoint,) if http is not None else ()
+        server = Server(engine, endpoint, model_name=model_name, also_bind=also, context=ctx, api_key=api_key,
                         settings=engine_settings(config),
                         max_connections=connection_limit(reserved=http.descriptors_reserved() if http else 0))
         try:
@@ -286,9 +277,7 @@ def run_daemon(config: Any, endpoint: str, http: Any = None, api_key: str | None
         try:
             reason = server.serve_forever()
         finally:
-            close = getattr(engine, "close", None)
-            if close is not None:
-                close()  # flushes --profile traces
+            engine.close()  # flushes --profile traces
         if reason == RANK_FAILURE:
             return EXIT_ERROR
         return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_OK

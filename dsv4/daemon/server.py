@@ -19,7 +19,7 @@ heartbeat timeout (e.g. still queued when they died) are reaped the same way.
 Nothing raised while handling one message reaches the loop: bad messages get an `error`
 reply, a failing engine step fails the requests in flight and the daemon keeps serving.
 
-Untrusted input is refused cheaply (docs in README "Security"): with an API key, a
+Untrusted input is refused cheaply (docs/security.md): with an API key, a
 message without the right key frame gets `unauthorized` before anything else is read;
 more than `max_clients` clients or `max_requests` requests get `busy`; text over the
 byte limit of --max-model-len is refused before tokenizing, and big prompts are
@@ -35,13 +35,14 @@ import os
 import signal
 import socket
 import time
-from typing import Any, Callable
+from typing import Any
 
 import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
+from dsv4.daemon.contract import ServedEngine
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 from dsv4.daemon.watch import StepWatch, log_finished, rss_bytes
@@ -66,9 +67,8 @@ RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits n
 class Server(Admission):
     """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
 
-    def __init__(self, engine: Any, endpoint: str, *, model_name: str = "",
-                 heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S,
-                 make_params: Callable[[dict], Any] | None = None, also_bind: tuple[str, ...] = (),
+    def __init__(self, engine: ServedEngine, endpoint: str, *, model_name: str = "",
+                 heartbeat_timeout: float = P.HEARTBEAT_TIMEOUT_S, also_bind: tuple[str, ...] = (),
                  context: zmq.Context | None = None, api_key: str | None = None,
                  settings: dict[str, Any] | None = None, max_clients: int = MAX_CLIENTS,
                  max_requests: int = MAX_REQUESTS, max_connections: int | None = None,
@@ -80,7 +80,6 @@ class Server(Admission):
         self._given_ctx = context  # inproc:// peers need the ROUTER's context; it is terminated by close()
         self.model_name = model_name
         self.heartbeat_timeout = heartbeat_timeout
-        self._make_params = make_params or _sampling_params
         self.started = time.time()
         self.stop_reason: str | None = None
         self._clients: dict[bytes, ClientState] = {}
@@ -106,11 +105,9 @@ class Server(Admission):
         self.max_connections = max_connections or connection_limit()
         # Frames larger than any acceptable request are refused before decoding (cheap):
         # text up to the byte limit (prompt + system), or max_model_len token ids, plus room for the rest.
-        text_bytes = getattr(engine, "max_text_bytes", None)
-        config = getattr(engine, "config", None)
-        if isinstance(text_bytes, int) and text_bytes > 0 and config is not None:
-            self.max_frame_bytes: int | None = text_bytes + 9 * config.max_model_len + FRAME_SLACK_BYTES
-            self.frame_limit_reason = f"for --max-model-len {config.max_model_len}"
+        if engine.max_text_bytes:
+            self.max_frame_bytes: int | None = engine.max_text_bytes + 9 * engine.max_model_len + FRAME_SLACK_BYTES
+            self.frame_limit_reason = f"for --max-model-len {engine.max_model_len}"
         else:
             self.max_frame_bytes, self.frame_limit_reason = None, ""
         self._pending: dict[str, Pending] = {}  # engine request id -> request being tokenized
@@ -237,12 +234,10 @@ class Server(Admission):
     def _idle_tick(self) -> None:
         """While idle: let the engine install compiled buckets a background build finished
         (it also does so before each step)."""
-        poll = getattr(self.engine, "poll_compiled", None)
-        if poll is not None:
-            try:
-                poll()
-            except Exception:  # noqa: BLE001 (a failed load leaves the bucket eager; serving goes on)
-                log.exception("installing compiled buckets failed")
+        try:
+            self.engine.poll_compiled()
+        except Exception:  # noqa: BLE001 (a failed load leaves the bucket eager; serving goes on)
+            log.exception("installing compiled buckets failed")
 
     def _cancel_all(self, error: str, reason: str = "abort") -> None:
         for erid in [*self._live, *self._pending]:
@@ -346,7 +341,7 @@ class Server(Admission):
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed; failing the requests in flight")
             self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
-            if getattr(self.engine, "ranks", None) is not None:  # a broken tensor-parallel group cannot go on
+            if self.engine.ranks is not None:  # a broken tensor-parallel group cannot go on
                 self.stop_reason = RANK_FAILURE
             return
         for out in outputs:
@@ -429,8 +424,3 @@ def _test_step_delay() -> float:
     text = os.environ.get("DSV4_TEST_STEP_DELAY_S", "").strip()
     return float(text) if text else 0.0
 
-
-def _sampling_params(d: dict) -> Any:
-    from dsv4.engine.sampling import SamplingParams
-
-    return SamplingParams.from_dict(d)

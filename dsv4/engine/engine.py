@@ -203,6 +203,11 @@ class Engine:
                                    RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
         return rid
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest request (prompt + output), in tokens."""
+        return self.config.max_model_len
+
     def make_params(self, fields: dict[str, Any]) -> SamplingParams:
         """SamplingParams from a request's fields over the model's generation_config.json
         defaults (fields given win; `temperature: 0` stays greedy); raises `RequestError`."""

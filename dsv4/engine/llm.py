@@ -32,8 +32,26 @@ class Completion:
 
 
 class LLM:
+    """The in-process engine loop (`submit`, `step`, `stream`, `generate`, `chat`): the daemon's
+    loop without the socket, used by `run --local`, `bench --local` and Python callers."""
+
     def __init__(self, model: str | None = None, **engine_options: Any):
         self.engine = Engine(EngineConfig.create(model=str(model or DEFAULT_MODEL), **engine_options))
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        """Wrap an engine already built (the CLI's, loaded under its progress bar)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
+    def submit(self, prompt: str | list[int], params: SamplingParams | None = None, **prompt_options: Any) -> str:
+        """Queue one request; returns its id. Raises `RequestError` with a one-line reason."""
+        return self.engine.add_request(prompt, params, **prompt_options)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step: the deltas it produced ([] when nothing is queued)."""
+        return self.engine.step() if self.engine.has_unfinished() else []
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (if any) and flush the profiler."""
@@ -53,11 +71,11 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         plist = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         done: dict[str, Completion] = {}
-        order = [self.engine.add_request(p, sp, **prompt_options) for p, sp in zip(prompts, plist)]
+        order = [self.submit(p, sp, **prompt_options) for p, sp in zip(prompts, plist)]
         for rid in order:
             done[rid] = Completion(rid)
         while self.engine.has_unfinished():
-            for out in self.engine.step():
+            for out in self.step():
                 _merge(done[out.request_id], out)
         return [done[r] for r in order]
 
@@ -79,10 +97,10 @@ class LLM:
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None,
                **prompt_options: Any) -> Iterator[RequestOutput]:
         """Yield the deltas of one request as they are produced."""
-        rid = self.engine.add_request(prompt, params, **prompt_options)
+        rid = self.submit(prompt, params, **prompt_options)
         try:
-            while True:
-                for out in self.engine.step():
+            while self.engine.has_unfinished():
+                for out in self.step():
                     if out.request_id == rid:
                         yield out
                         if out.finished:

@@ -3,7 +3,7 @@
     address = parse_address("127.0.0.1:8000", api_key)   # at startup: bad address or key -> HttpError
     http = HttpServer(address, api_key)
     http.bind()                    # before the weights load: a port in use fails at once
-    http.start(zmq_ctx, model_name=..., ...)   # uvicorn's event loop in a thread; 503 while loading
+    http.start(zmq_ctx, config)    # uvicorn's event loop in a thread; 503 while loading
     ... engine loaded, ROUTER bound (in zmq_ctx) on the daemon endpoint and on INPROC_ENDPOINT ...
     ... serve_forever ...
     http.stop()                    # before the shared context is terminated
@@ -22,13 +22,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from dsv4.daemon.contract import FrontEndError
+
 log = logging.getLogger("dsv4.http")
 
 INPROC_ENDPOINT = "inproc://dsv4-http"
 LOOPBACK_NAMES = ("localhost",)
 
 
-class HttpError(Exception):
+class HttpError(FrontEndError):
     """A --http setting that cannot work (one line naming the flag)."""
 
 
@@ -80,7 +82,9 @@ def model_tokenizer(model_dir: str) -> Any:
 
 
 class HttpServer:
-    """One uvicorn server on `address`, run in a daemon thread."""
+    """One uvicorn server on `address`, run in a daemon thread (a `dsv4.daemon.contract.FrontEnd`)."""
+
+    endpoint = INPROC_ENDPOINT
 
     max_prompts: int | None = None  # --max-prompts-per-request (None: dsv4.http.submit's default)
 
@@ -105,8 +109,9 @@ class HttpServer:
             raise HttpError(f"--http {self.address}: cannot listen there: {e.strerror or e}") from None
         self._sock = s
 
-    def start(self, zmq_ctx: Any, *, model_name: str, model_path: str, max_model_len: int, tokenizer: Any) -> None:
-        """Serve in a thread; requests get 503 until the daemon binds INPROC_ENDPOINT in `zmq_ctx` and answers."""
+    def start(self, zmq_ctx: Any, config: Any) -> None:
+        """Serve `config`'s model (an EngineConfig) in a thread; requests get 503 until the daemon
+        binds INPROC_ENDPOINT in `zmq_ctx` and answers."""
         import uvicorn
 
         from dsv4.daemon.intake import descriptor_limit
@@ -116,7 +121,8 @@ class HttpServer:
                                        header_timeout, http_budget)
 
         assert self._sock is not None, "bind() first"
-        api = Api(model_name=model_name, model_path=model_path, max_model_len=max_model_len, tokenizer=tokenizer,
+        api = Api(model_name=config.served_model_name, model_path=str(config.model),
+                  max_model_len=config.max_model_len, tokenizer=model_tokenizer(config.model),
                   ctx=zmq_ctx, endpoint=INPROC_ENDPOINT, api_key=self.api_key, max_prompts=self.max_prompts)
         app = HostOriginGuard(build_app(api), loopback=self.address.loopback, allowed_hosts=self.allowed_hosts,
                               allowed_origins=self.allowed_origins)

@@ -258,7 +258,7 @@ def test_the_daemon_compiles_grammars_off_its_loop(ckpt, tmp_path):
 
     eng.add_request = recording  # type: ignore[method-assign]
     ep = f"ipc://{tmp_path}/s.sock"
-    server = Server(eng, ep, model_name="tiny", make_params=eng.make_params)
+    server = Server(eng, ep, model_name="tiny")
     server.bind()
     loop = threading.Thread(target=server.serve_forever, name="loop", daemon=True)
     loop.start()

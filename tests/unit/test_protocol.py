@@ -12,6 +12,7 @@ import shutil
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Iterator
@@ -23,6 +24,7 @@ import zmq
 from dsv4.daemon import paths
 from dsv4.daemon import protocol as P
 from dsv4.daemon.client import Client, DaemonError, DaemonUnreachable
+from dsv4.daemon.contract import ServedEngine
 from dsv4.daemon.server import Server
 
 
@@ -145,7 +147,15 @@ def test_private_dir_and_pid_lock(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------------- server
 class FakeEngine:
-    """One token ('x', id 7) per request per step; prompt 'boom' makes step() raise."""
+    """One token ('x', id 7) per request per step; prompt 'boom' makes step() raise. Implements
+    the daemon's engine contract (`ServedEngine`); text prompts pass through untokenized."""
+
+    max_model_len = 51
+    max_text_bytes = None  # no frame limit
+    ranks = None
+    weight_bytes, rank_weight_bytes = 0, [0]
+    quant_note = compile_note = ""
+    policy, calibration_s = None, 0.0
 
     def __init__(self, step_delay: float = 0.005) -> None:
         self.live: dict[str, list[int]] = {}  # rid -> [emitted, max_tokens]
@@ -153,6 +163,27 @@ class FakeEngine:
         self.step_delay = step_delay
         self.tokenizer = None
         self.explode = False
+
+    def make_params(self, fields: dict[str, Any]) -> Any:
+        return fake_params(fields)
+
+    def check_text_size(self, prompt: str, system: Any = None) -> None:
+        pass
+
+    def encode_request(self, prompt: str, **_: Any) -> str:
+        return prompt
+
+    def submit_grammar(self, spec: dict[str, Any]) -> Future:
+        raise ValueError("this fake engine has no grammars")
+
+    def build_in_background(self) -> str:
+        return ""
+
+    def poll_compiled(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def add_request(self, prompt: Any, params: Any, *, request_id: str, **_: Any) -> str:
         if not prompt:
@@ -190,6 +221,17 @@ class FakeEngine:
         return {"running": len(self.live), "waiting": 0}
 
 
+def test_the_fake_keeps_the_engine_contract() -> None:
+    """The daemon reads its engine only through `ServedEngine`; a fake missing a member fails here."""
+    assert isinstance(FakeEngine(), ServedEngine)
+
+    class Partial:  # an engine without the contract's members
+        def step(self) -> list[Any]:
+            return []
+
+    assert not isinstance(Partial(), ServedEngine)
+
+
 def fake_params(d: dict) -> Any:
     if set(d) - {"max_tokens", "temperature"}:
         raise ValueError(f"unknown sampling parameter(s): {', '.join(sorted(set(d) - {'max_tokens', 'temperature'}))}")
@@ -209,7 +251,7 @@ class Harness:
         self.lock = paths.PidLock(paths.pid_file(self.endpoint))
         assert self.lock.acquire()
         self.engine = engine or FakeEngine()
-        self.server = Server(self.engine, self.endpoint, model_name="fake", make_params=fake_params, **kw)
+        self.server = Server(self.engine, self.endpoint, model_name="fake", **kw)
         self.server.bind()
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()

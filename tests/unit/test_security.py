@@ -388,7 +388,7 @@ def wait_for(cond: Any, timeout: float = 15.0) -> bool:
 
 
 def test_generate_while_stopping_is_refused_with_its_reason() -> None:
-    server = Server(FakeEngine(), "ipc:///nonexistent/s.sock", make_params=fake_params)
+    server = Server(FakeEngine(), "ipc:///nonexistent/s.sock")
     sent: list[dict[str, Any]] = []
     server._send = lambda client, msg, reap=True: sent.append(msg) or True  # type: ignore[method-assign]
     server.stop_reason = "stop requested by a client"
