@@ -140,7 +140,8 @@ class Engine:
         self.policy = SpecPolicy(config.num_speculative_tokens) if config.speculative_auto else None
         self.runner = Runner.for_config(self.model, config, self.device, self.policy,
                                         scratch_slot=config.compile is not False)
-        self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config, self.runner.state))
+        self.scheduler = Scheduler.from_config(config, kv=BlockManager.for_config(config, self.runner.state),
+                                               policy=self.policy)
         self.compile_note = ""  # the banner's line
         if config.compile:
             from .compile_start import start_compiled
@@ -194,10 +195,9 @@ class Engine:
         if leader is not None and leader.request.prompt_ids == req.prompt_ids:
             req.after = leader.request
         if params.structured is not None:  # compiled (or refused) before it queues
-            params.validate(self.scheduler.vocab_size)
             compiled = grammar if grammar is not None else self.grammars.compile(params.structured)
             req.grammar = self.grammars.state(compiled, ids)
-        self.scheduler.add(req)  # validates; raises RequestError
+        self.scheduler.add(req)  # the prompt and the vocabulary checked; raises RequestError
         detok = self.tokenizer.detokenizer() if self.tokenizer is not None else None
         self._tracks[rid] = _Track(req, detok, StopChecker(list(params.stop), params.include_stop_str_in_output),
                                    RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
@@ -304,16 +304,12 @@ class Engine:
             return []
         if self.ranks is not None:
             self.ranks.check()
-        if self.policy is not None:  # the drafts this step makes, for the requests that will decode
-            spec = [r for r in self.scheduler.running if r.num_spec]
-            self.runner.k_draft = self.policy.choose(len(spec), sum(1 for r in spec if not r.params.greedy))
         try:
-            results = self.runner.execute(plan.prefills, plan.decodes, plan.kv)
+            results = self.runner.execute(plan)
         except Exception as e:
             if self.ranks is None:
                 raise
             raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
-        self.scheduler.spec_limit = self.runner.k_draft  # the next step verifies what was drafted now
         if self.profiler is not None:
             self.profiler.step()
         now = time.monotonic()
@@ -373,7 +369,7 @@ class Engine:
             out.finished, out.finish_reason = True, req.finish_reason
             out.metrics = track.metrics.to_dict()
             # the K in use when it finished (auto: the latest choice; fixed: the configured K)
-            out.metrics["spec"].update(num_speculative_tokens=self.runner.k_draft if req.num_spec else 0,
+            out.metrics["spec"].update(num_speculative_tokens=self.runner.num_drafts if req.num_spec else 0,
                                        speculative_auto=self.policy is not None and req.num_spec > 0)
             buckets = self.compiled_buckets()  # what ran compiled (a bucket whose capture failed runs eager)
             out.metrics.update(compiled=bool(buckets["main"] or buckets["mtp"]), compiled_buckets=buckets)
@@ -412,7 +408,7 @@ class Engine:
             "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "rank_weight_bytes": self.rank_weight_bytes,
-            "num_speculative_tokens": self.runner.k_draft,  # the K in use (auto: the latest choice)
+            "num_speculative_tokens": self.runner.num_drafts,  # the K in use (auto: the latest choice)
             "speculative_auto": self.policy is not None,
             "max_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,

@@ -1,7 +1,11 @@
-"""Sampling parameters: what a request asks for, checked (`SamplingParams.validate`); no torch.
+"""Sampling parameters: what a request asks for, checked when built; no torch.
 
-`SamplingParams.validate()` checks values and types (they arrive as msgpack over a socket)
-and raises `RequestError` with a one-line reason. `dsv4.engine.sampling` re-exports it.
+A `SamplingParams` is valid from the moment it exists: construction (`__post_init__`,
+also under `dataclasses.replace`) checks values and types (they arrive as msgpack over a
+socket or JSON over HTTP) and raises `RequestError` with a one-line reason. Clients (the
+CLI's flags, HTTP bodies) only translate their fields into it (`from_dict`). What depends
+on the model (token ids inside its vocabulary) is checked once more when the scheduler
+queues the request (`check_vocab`). `dsv4.engine.sampling` re-exports it.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class SamplingParams:
         if isinstance(self.logit_bias, dict):  # JSON and msgpack maps from clients have string keys
             self.logit_bias = {(int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 12 else k): v
                                for k, v in self.logit_bias.items()}
+        self.validate()
 
     @classmethod
     def from_dict(cls, d: Any) -> "SamplingParams":
@@ -69,9 +74,7 @@ class SamplingParams:
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
             raise RequestError(f"unknown sampling parameter(s): {', '.join(unknown)}")
-        p = cls(**d)
-        p.validate()
-        return p
+        return cls(**d)  # validated as it is built
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +90,8 @@ class SamplingParams:
         return bool(self.logit_bias) or self.penalized
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise `RequestError` naming the first bad parameter."""
+        """Raise `RequestError` naming the first bad parameter (run when built; with
+        `vocab_size`, also `check_vocab`)."""
         _int("max_tokens", self.max_tokens, 0)
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise RequestError("max_tokens must be >= 1 (0 only with prompt logprobs: echo)")
@@ -115,8 +119,6 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids must be a list of integers, got {type(self.stop_token_ids).__name__}")
         for t in self.stop_token_ids:
             _int("stop_token_ids entry", t, 0)
-            if vocab_size is not None and t >= vocab_size:
-                raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
         _num("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, open_low=True)
         _num("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _num("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
@@ -126,7 +128,7 @@ class SamplingParams:
                 _int(name, v, 0)
                 if v > MAX_LOGPROBS:
                     raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
-        _check_bias(self.logit_bias, vocab_size)
+        _check_bias(self.logit_bias)
         if self.structured is not None:
             from dsv4.engine.grammar import check_spec
 
@@ -137,6 +139,17 @@ class SamplingParams:
         for name in ("ignore_eos", "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `RequestError` when a token id it names is outside a vocabulary of `vocab_size`."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise RequestError(f"stop_token_ids entry {t} is outside the vocabulary (size {vocab_size})")
+        for k in self.logit_bias or {}:
+            if k >= vocab_size:
+                raise RequestError(f"logit_bias token {k} is outside the vocabulary (size {vocab_size})")
 
 
 def _int(name: str, v: Any, minimum: int) -> None:
@@ -154,7 +167,7 @@ def _num(name: str, v: Any, lo: float, hi: float | None, open_low: bool = False)
         raise RequestError(f"{name} must be in {rng}, got {v}")
 
 
-def _check_bias(bias: Any, vocab_size: int | None) -> None:
+def _check_bias(bias: Any) -> None:
     if bias is None:
         return
     if not isinstance(bias, dict):
@@ -164,6 +177,4 @@ def _check_bias(bias: Any, vocab_size: int | None) -> None:
     for k, v in bias.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise RequestError(f"logit_bias keys must be token ids (non-negative integers), got {k!r:.40}")
-        if vocab_size is not None and k >= vocab_size:
-            raise RequestError(f"logit_bias token {k} is outside the vocabulary (size {vocab_size})")
         _num(f"logit_bias[{k}]", v, -MAX_BIAS, MAX_BIAS)

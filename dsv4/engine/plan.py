@@ -19,6 +19,7 @@ from typing import Any
 from ..model import parallel
 from .request import Request
 from .sampling import SamplingParams
+from .scheduler import SchedulerOutput
 
 _CHANNEL: Any = None  # a transport.ShmChannel on one host; None: through the group
 
@@ -54,22 +55,21 @@ def broadcast(obj: Any = None) -> Any:
     return out
 
 
-def plan_message(prefills: list[tuple[Request, int, int]], decodes: list[tuple[Request, int]],
-                 drafts: dict[int, list[int]], k_draft: int,
-                 sync_drafts: bool = False, kv: Any = None) -> tuple[list, list, int, bool, Any]:
+def plan_message(plan: SchedulerOutput, drafts: dict[int, list[int]],
+                 sync_drafts: bool = False) -> tuple[list, list, int, bool, Any]:
     """What the other ranks need of one step: (slot, start, n, prefill ids at the request's
     first chunk (start 0, or its prefix-cache hit) else None,
     K, whether the chunk's rows all get logits: prompt logprobs) per prefill chunk, (slot, n, computed, last token, K, drafts) per decode row, the
-    drafts this step makes (`Runner.k_draft`: auto K's choice, else the fixed K) and whether
+    drafts this step makes (`SchedulerOutput.num_drafts`: auto K's choice, else the fixed K) and whether
     rank 0 sends each MTP depth's drafts (`Runner.sync_drafts`: sampled drafts are rank 0's
     draws, and the deeper dispatches of every rank must take the same tokens), and the
     step's `KVPlan` (block tables, ring loads / saves / drops: every rank keeps its own
     rings and applies the same plan, so they agree on every hit)."""
     return ([(r.slot, s, n, r.prefill_ids if s == r.num_cached_tokens else None, r.num_spec,
               r.wants_prompt_logprobs)
-             for r, s, n in prefills],
+             for r, s, n in plan.prefills],
             [(r.slot, n, r.num_computed_tokens, r.last_token_id, r.num_spec, drafts.get(r.slot, [])[: n - 1])
-             for r, n in decodes], k_draft, sync_drafts, kv)
+             for r, n in plan.decodes], plan.num_drafts, sync_drafts, plan.kv)
 
 
 def follow(runner: Any) -> None:
@@ -81,8 +81,9 @@ def follow(runner: Any) -> None:
         if msg is None:
             return
         # auto K: the MTP depth of this step, as rank 0 chose it; sampled drafts: rank 0 sends each depth's
-        pre, dec, runner.k_draft, runner.sync_drafts, kv = msg
-        prefills, decodes = [], []
+        pre, dec, num_drafts, runner.sync_drafts, kv = msg
+        plan = SchedulerOutput(kv=kv, num_drafts=num_drafts)
+        prefills, decodes = plan.prefills, plan.decodes
         for slot, start, n, prompt, k, prompt_lp in pre:
             if prompt is not None:
                 shadows[slot] = Request(f"slot-{slot}", list(prompt), SamplingParams(), slot=slot,
@@ -95,4 +96,4 @@ def follow(runner: Any) -> None:
             req.num_computed_tokens, req.output_ids, req.num_spec = computed, [last], k
             runner.drafts[slot] = list(drafts)
             decodes.append((req, n))
-        runner.execute(prefills, decodes, kv)
+        runner.execute(plan)

@@ -8,7 +8,7 @@ shadow requests and runs the same dispatches on its shard (`plan.follow`). Rank 
 samples and broadcasts its choices (`Runner.execute`); the others send nothing but
 collectives. Joining the group installs the plan channel (`plan.use_channel`: shared
 memory on one host); leaving closes it, then the group.
-With auto K the plan carries the step's K (`Runner.k_draft`): the MTP backlog, pending
+With auto K the plan carries the step's K (`SchedulerOutput.num_drafts`): the MTP backlog, pending
 rows and drafts of every rank then follow from the plan alone, so only rank 0 keeps a
 policy that chooses (the others calibrate with it, since the calibration's dispatches
 run collectives too).

@@ -21,8 +21,8 @@ One `execute(plan)` call runs a scheduler step:
    sampled token) completes it. Drafts written into the MTP cache past the
    committed pairs are rolled back before the next step.
 
-With `--num-speculative-tokens auto` a `SpecPolicy` sets `k_draft`, the drafts to make
-this step (0..K), and the runner times its dispatches for it. A request drafting 0
+With `--num-speculative-tokens auto` a `SpecPolicy` chooses each plan's `num_drafts`, the
+drafts to make this step (0..K; the scheduler asks it), and the runner times its dispatches for it. A request drafting 0
 tokens skips the MTP: its pairs wait in a backlog (the last `sliding_window` of them;
 the MTP block is window-only, so older ones are never read again), and the MTP catches
 up over the backlog the next time the request drafts, which gives the same drafts as if
@@ -55,9 +55,10 @@ from ..model.model import DeepseekV4
 from ..model.state import Batch
 from .drafting import propose
 from .grammar import draft_masks
-from .kvcache import KVPlan, SavedRings
+from .kvcache import SavedRings
 from .plan import broadcast, plan_message
 from .request import Request
+from .scheduler import SchedulerOutput
 from .logprobs import TokenLogprob
 from .spec_policy import SpecPolicy
 from .verify import StepResult, prompt_logprobs, sample_verify
@@ -76,7 +77,7 @@ class Runner:
         self.max_num_seqs = max_num_seqs
         self.compiled: CompiledSteps | None = None  # --compile: captured decode dispatches (engine.py)
         self.policy = policy  # auto K: times the dispatches for it
-        self.k_draft = num_spec  # drafts to make this step (auto: set by the engine before each step)
+        self.num_drafts = num_spec  # drafts to make this step: the plan's (`SchedulerOutput.num_drafts`)
         self.backlog: dict[int, tuple[int, list[torch.Tensor], list[int]]] = {}  # slot -> (t0, h rows, x_{t+1})
         self.timed = {"verify": 0.0, "draft": 0.0}  # seconds spent in this step's dispatches (auto)
         self.modelled = 0.0  # of which this step's MTP dispatches and catch-ups (auto)
@@ -118,15 +119,17 @@ class Runner:
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
-    def execute(self, prefills: list[tuple[Request, int, int]],
-                decodes: list[tuple[Request, int]], kv: KVPlan | None = None) -> dict[int, StepResult]:
-        """Run one step; returns results keyed by slot (prefill chunks that are not the
-        last have none). Under tensor parallelism rank 0 first sends the plan (`plan`)."""
+    def execute(self, plan: SchedulerOutput) -> dict[int, StepResult]:
+        """Run one step's plan (its prefill chunks, decode rows, block plan and K); returns
+        results keyed by slot (prefill chunks that are not the last have none). Under tensor
+        parallelism rank 0 first sends the plan (`plan.py`)."""
+        prefills, decodes, kv = plan.prefills, plan.decodes, plan.kv
+        self.num_drafts = plan.num_drafts
         if parallel.world_size() > 1 and parallel.rank() == 0:
             # drafts other than the plain argmax (sampled, biased, penalised): rank 0's are sent
             self.sync_drafts = self.num_spec > 1 and any(not r.params.greedy or r.params.adjusted
                                                          or r.grammar is not None for r, *_ in prefills + decodes)
-            broadcast(plan_message(prefills, decodes, self.drafts, self.k_draft, self.sync_drafts, kv))
+            broadcast(plan_message(plan, self.drafts, self.sync_drafts))
         if kv is not None:
             self.saved.apply(self, kv)
         results = self._execute(prefills, decodes)
@@ -234,7 +237,7 @@ class Runner:
     # ------------------------------------------------------------------ MTP
     def _depth(self, req: Request) -> int:
         """Drafts `req` makes this step."""
-        return min(req.num_spec, self.k_draft)
+        return min(req.num_spec, self.num_drafts)
 
     def _mtp(self, batch: Batch, hid: torch.Tensor, head_idx: torch.Tensor | None, timed: bool,
              heads: list[Request], drafts: dict[int, list[int]], results: dict[int, StepResult]):

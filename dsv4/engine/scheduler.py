@@ -76,6 +76,9 @@ class SchedulerOutput:
     prefills: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, start, n)
     decodes: list[tuple[Request, int]] = field(default_factory=list)  # (request, 1 + drafts)
     kv: KVPlan | None = None  # block tables, ring loads / saves / drops (with a BlockManager)
+    # K of this step: the MTP drafts per request the runner makes for the next step to verify
+    # (auto K: the policy's choice; else the fixed K). The one name K travels under.
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +105,7 @@ class Scheduler:
         eos_token_id: int | None = None,
         vocab_size: int | None = None,
         kv: BlockManager | None = None,
+        policy: Any = None,
     ):
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("chunk_size", chunk_size)):
@@ -119,7 +123,8 @@ class Scheduler:
         self.chunk_size = chunk_size
         self.single_dispatch = single_dispatch
         self.num_spec = num_speculative_tokens
-        self.spec_limit = num_speculative_tokens  # auto K: the drafts the runner made last step (<= num_spec)
+        self.policy = policy  # auto K (`SpecPolicy`): chooses each plan's num_drafts; None = the fixed K
+        self._drafted = num_speculative_tokens  # the last plan's num_drafts: this step verifies at most these
         self.eos_token_id = eos_token_id
         self.vocab_size = vocab_size
         self.kv = kv  # None: every slot's state is preallocated (no blocks to manage)
@@ -133,7 +138,8 @@ class Scheduler:
         self._prefill_first = False  # set when prefills were starved in the last step
 
     @classmethod
-    def from_config(cls, cfg: Any, eos_token_id: int | None = None, kv: BlockManager | None = None) -> "Scheduler":
+    def from_config(cls, cfg: Any, eos_token_id: int | None = None, kv: BlockManager | None = None,
+                    policy: Any = None) -> "Scheduler":
         """Build from an `EngineConfig` (or anything with the same attributes)."""
         mc = getattr(cfg, "model_config", None)
         return cls(
@@ -146,12 +152,14 @@ class Scheduler:
             eos_token_id=eos_token_id if eos_token_id is not None else getattr(mc, "eos_token_id", None),
             vocab_size=getattr(mc, "vocab_size", None),
             kv=kv,
+            policy=policy,
         )
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
         """Queue a request; raises `RequestError` (for this request only) if it cannot run."""
-        request.params.validate(self.vocab_size)
+        if self.vocab_size is not None:  # the params are valid since built; the model's vocabulary is ours
+            request.params.check_vocab(self.vocab_size)
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already in use")
         ids = request.prompt_ids
@@ -244,6 +252,12 @@ class Scheduler:
         self._prefill_first = bool(prefilling) and not out.prefills
         if self.kv is not None:
             out.kv = self.kv.take_plan()
+        if not out.is_empty:
+            out.num_drafts = self.num_spec
+            if self.policy is not None:  # the drafts this step makes, for the requests that will decode
+                spec = [r for r in self.running if r.num_spec]
+                out.num_drafts = self.policy.choose(len(spec), sum(1 for r in spec if not r.params.greedy))
+            self._drafted = out.num_drafts
         return out
 
     def _admit(self) -> None:
@@ -355,14 +369,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def draft_room(self, req: Request) -> int:
-        """Most drafts `req` may take now: K (at most `spec_limit`, the drafts auto K had the
-        runner make), and never past max_model_len or max_tokens.
+        """Most drafts `req` may take now: K (at most the last plan's `num_drafts`, the drafts
+        auto K had the runner make), and never past max_model_len or max_tokens.
 
         A step with d drafts emits up to d + 1 tokens, so d <= room - 1 for both limits.
         """
         room_len = self.max_model_len - req.num_tokens - 1
         room_out = req.params.max_tokens - len(req.output_ids) - 1
-        return max(0, min(req.num_spec, self.spec_limit, room_len, room_out))
+        return max(0, min(req.num_spec, self._drafted, room_len, room_out))
 
     # ------------------------------------------------------------------ results
     def on_prefill_done(self, request: Request, n: int, token_id: int | None = None) -> list[int]:

@@ -2,8 +2,11 @@
 
 `parse_completion(body)` and `parse_chat(body, tokenizer)` check the shapes the OpenAI API
 defines and raise `ApiError` (status, one-line message, offending field) for anything
-this server cannot honour; value ranges are checked once, by `SamplingParams.validate`
-in the daemon, whose error becomes a 400 too.
+this server cannot honour. They translate fields into `SamplingParams` fields; value ranges
+are `SamplingParams`' to check (when the daemon builds it; its error becomes a 400 too),
+except OpenAI's own bounds on fields renamed or reshaped on the way (`top_logprobs` ->
+`logprobs`, completions' `logprobs` 0..5, `logit_bias` keys as JSON strings, `echo` with
+`max_tokens: 0`), checked here so that the error names the field the client sent.
 
 Nothing is silently ignored: an OpenAI field (or a well-known vLLM extension) that would
 change the answer and that dsv4 does not implement gets a 400 naming it (`REFUSED`),

@@ -261,9 +261,9 @@ def test_non_speculative_request() -> None:
 @pytest.mark.parametrize("bad,needle", [
     (Request("x", [], SamplingParams()), "empty"),
     (Request("x", [1] * 100, SamplingParams()), "--max-model-len"),
-    (Request("x", [1, 2], SamplingParams(max_tokens=0)), "max_tokens"),
-    (Request("x", [1, 2], SamplingParams(temperature=-1.0)), "temperature"),
     (Request("x", [1, 500], SamplingParams()), "vocabulary"),
+    (Request("x", [1, 2], SamplingParams(stop_token_ids=[300])), "stop_token_ids entry 300 is outside the vocabulary"),
+    (Request("x", [1, 2], SamplingParams(logit_bias={256: 1.0})), "logit_bias token 256 is outside the vocabulary"),
     (Request("x", [1, "2"], SamplingParams()), "token ids"),
     (Request("a", [1], SamplingParams()), "already in use"),
 ])
@@ -275,6 +275,13 @@ def test_bad_request_rejected_alone(bad, needle) -> None:
         s.add(bad)
     out = s.schedule()
     assert out.prefills == [(good, 0, 4)] and len(s.waiting) == 0 and len(s.running) == 1
+
+
+@pytest.mark.parametrize("bad,needle", [(dict(max_tokens=0), "max_tokens"), (dict(temperature=-1.0), "temperature")])
+def test_bad_params_never_exist(bad, needle) -> None:
+    """SamplingParams are checked when built, so a bad value never reaches the scheduler."""
+    with pytest.raises(RequestError, match=needle):
+        SamplingParams(**bad)
 
 
 def test_prompt_of_max_model_len_minus_one_fits() -> None:
