@@ -136,13 +136,15 @@ MaxModelLen = Annotated[Optional[int], typer.Option(
     help="Most tokens (prompt + output) of one request [default: the model's maximum]")]
 MaxBatched = Annotated[Optional[int], typer.Option(
     "--max-num-batched-tokens", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
-    help="Token budget of one engine step [default: prefill limit + max-num-seqs * (1 + K)]")]
+    help="Token budget of one engine step, decodes and prefill chunks together; on CPU and CUDA it sets "
+         "the prefill chunk (on NPU the kernel's 128-token tile caps it) "
+         "[default: 512 + max-num-seqs * (1 + K)]")]
 LongPrefill = Annotated[Optional[int], typer.Option(
     "--long-prefill-token-threshold", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(),
-    help="Lower the prefill chunk size below the model's prefill limit (0 = no extra limit) [default: 0]")]
+    help="Lower the prefill chunk size below what the step budget allows (0 = no extra limit) [default: 0]")]
 Chunked = Annotated[Optional[bool], typer.Option(
     "--enable-chunked-prefill/--no-enable-chunked-prefill", rich_help_panel=ENGINE_PANEL, show_default=False,
-    help="Split long prompts into chunks of at most the prefill limit; off = each prompt in one dispatch "
+    help="Split long prompts into chunks that fit the step budget; off = each prompt in one dispatch "
          "[default: on]")]
 NumSpec = Annotated[Optional[str], typer.Option(
     "--num-speculative-tokens", metavar="K", rich_help_panel=ENGINE_PANEL,

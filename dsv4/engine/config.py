@@ -20,9 +20,12 @@ fields of a built config always hold concrete values (except `profile_dir`):
 * `num_speculative_tokens` None or "auto" -> `speculative_auto` and K = the MTP depth (at most
   3: the state is sized for it, a `SpecPolicy` picks 0..K each step) when the checkpoint has
   MTP weights, else 0;
-* `prefill_limit` None -> the model's prefill limit (128 for DeepSeek V4);
+* `prefill_limit` (the most prompt tokens of one request per step) None -> on NPU the
+  prefill kernel's tile (128 for DeepSeek V4, which may only be lowered); on CPU and CUDA,
+  where no kernel limits it, `--max-num-batched-tokens` when given, else DEFAULT_CHUNK;
 * `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
-  prefill chunk fits beside a full batch of decode steps;
+  prefill chunk fits beside a full batch of decode steps; more than max_model_len plus that
+  batch is refused (a step could never use it);
 * `max_model_len` None -> max_position_embeddings (the model's whole context), and in
   single-dispatch mode at most the single-dispatch limit;
 * `kv_cache_memory` (bytes, "2GiB", or a fraction of free memory) -> `kv_cache_blocks`, the
@@ -63,6 +66,9 @@ QUANTIZATION_LINES = {  # the banner's words for each --quantization
     "w8a8-mxfp4": "w8a8-mxfp4 (routed experts as stored: FP4 with E8M0 scales per 32; int8 activations per token, "
                   "the other linears int8 per row)",
 }
+# The prefill chunk where no kernel limits it (CPU, CUDA): chosen on the V4 Flash-shaped slice
+# (BENCHMARKS.md, "Prefill chunk"); the step budget is this plus a full batch of decode rows
+DEFAULT_CHUNK = 512
 MAX_SPECULATIVE_TOKENS = 3  # the MTP block applied recurrently: the reference supports 1..3
 MTP_PREFIX = "mtp.0."
 
@@ -192,12 +198,9 @@ class EngineConfig:
         self._read_draft_vocab()
 
         # Prefill limit and step budget.
-        plimit = mc.prefill_limit if self.prefill_limit is None else self.prefill_limit
-        check_int("prefill_limit", plimit, minimum=1)
-        if plimit > mc.prefill_limit:
-            raise EngineConfigError(f"prefill_limit {plimit} exceeds the prefill limit {mc.prefill_limit} of "
-                                    f"deepseek_v4 (the kernel's tile); it may only be lowered "
-                                    f"(or use --long-prefill-token-threshold)")
+        given = self.max_num_batched_tokens  # as given (None: the default below)
+        plimit = resolve_prefill_limit(self.prefill_limit, self.max_num_batched_tokens, self.kernel_tile,
+                                       self.device)
         set_("prefill_limit", plimit)
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -231,14 +234,19 @@ class EngineConfig:
                     f"speculative decoding needs each prompt in one dispatch on this model (it cannot carry the "
                     f"MTP state across chunks), but max_model_len {mml} exceeds the single-dispatch limit {lim}; "
                     f"use --num-speculative-tokens 0 or lower --max-model-len to {lim}")
-            if lim < plimit:
+            if lim < plimit or self.kernel_tile is None:
                 raise EngineConfigError(
                     f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill "
-                    f"limit {lim} set by --max-num-batched-tokens; enable chunked prefill, raise "
+                    f"limit {lim} (--max-num-batched-tokens); enable chunked prefill, raise "
                     f"--max-num-batched-tokens or lower --max-model-len to {lim}")
             raise EngineConfigError(
                 f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill limit "
-                f"{lim} of deepseek_v4; enable chunked prefill or lower --max-model-len to {lim}")
+                f"{lim} of deepseek_v4 on {self.device}; enable chunked prefill or lower --max-model-len to {lim}")
+        most = mml + self.max_num_seqs * (1 + k)  # the longest chunk beside a full batch of decode rows
+        if given is not None and given > most:
+            raise EngineConfigError(f"--max-num-batched-tokens {given} is more than a step can use "
+                                    f"(--max-model-len {mml} + --max-num-seqs {self.max_num_seqs} x (1 + K = {1 + k}) "
+                                    f"= {most}); lower --max-num-batched-tokens to {most} or less")
         set_("max_model_len", mml)
         self._size_pool()
 
@@ -299,9 +307,16 @@ class EngineConfig:
         return min(self.prefill_limit, self.max_num_batched_tokens)
 
     @property
+    def kernel_tile(self) -> int | None:
+        """The most prompt tokens the device's prefill kernel takes in one dispatch: the NPU
+        kernel's tile (`ModelConfig.prefill_limit`); None on CPU and CUDA, where the chunk is a
+        token budget (`--max-num-batched-tokens`)."""
+        return self.model_config.prefill_limit if self.device.split(":")[0] == "npu" else None
+
+    @property
     def effective_chunk_size(self) -> int:
         """The most prompt tokens of one request per step (before this step's budget is spent)."""
-        limit = self.single_dispatch_limit
+        limit = min(self.single_dispatch_limit, self.max_model_len)
         if not self.single_dispatch and self.long_prefill_token_threshold > 0:
             limit = min(limit, self.long_prefill_token_threshold)
         return limit
@@ -340,8 +355,8 @@ class EngineConfig:
             + (f" x {self.tensor_parallel_size} ranks (tensor parallel)" if self.tensor_parallel_size > 1 else "")
             + f", dtype {self.dtype}, weights "
             + QUANTIZATION_LINES[self.quantization],
-            f"model prefill limit {self.model_config.prefill_limit}, "
-            f"effective prefill chunk size {self.effective_chunk_size}"
+            (f"prefill kernel tile {self.kernel_tile}, " if self.kernel_tile is not None else "")
+            + f"prefill chunk {self.effective_chunk_size} tokens, step budget {self.max_num_batched_tokens} tokens"
             + (" (single dispatch)" if self.single_dispatch else ""),
             (f"speculative tokens K = auto (0..{self.num_speculative_tokens}, chosen from measured step costs "
              f"and acceptance)" if self.speculative_auto else f"speculative tokens K = {self.num_speculative_tokens}")
@@ -362,6 +377,20 @@ class EngineConfig:
 
 
 # ---------------------------------------------------------------------- defaults
+def resolve_prefill_limit(limit: Any, budget: Any, tile: int | None, device: str) -> int:
+    """The most prompt tokens of one request per dispatch. Where a kernel has a tile (the NPU's
+    128) it is the tile, and may only be lowered; elsewhere the step budget when given, else
+    DEFAULT_CHUNK."""
+    if limit is None:
+        limit = tile if tile is not None else (budget if isinstance(budget, int) and budget > 0 else DEFAULT_CHUNK)
+    check_int("prefill_limit", limit, minimum=1)
+    if tile is not None and limit > tile:
+        raise EngineConfigError(f"prefill_limit {limit} exceeds the prefill limit {tile} of deepseek_v4 on "
+                                f"{device} (the kernel's tile); it may only be lowered (or use "
+                                f"--long-prefill-token-threshold)")
+    return limit
+
+
 GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                    "frequency_penalty")
 MAX_DEFAULT_THREADS = 16

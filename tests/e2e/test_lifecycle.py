@@ -19,8 +19,10 @@ NOT_RUNNING = "dsv4 daemon is not running; start it with 'dsv4 serve --detach'"
 
 @pytest.mark.parametrize("args,message", [
     (["--num-speculative-tokens", "5"], "--num-speculative-tokens 5 is out of range"),
-    (["--no-enable-chunked-prefill", "--max-model-len", "512"], "chunked prefill is disabled"),
+    (["--no-enable-chunked-prefill", "--max-model-len", "1024"], "chunked prefill is disabled"),
     (["--max-num-batched-tokens", "1", "--num-speculative-tokens", "1"], "--max-num-batched-tokens 1"),
+    (["--max-num-batched-tokens", "100000", "--max-model-len", "512"],
+     "--max-num-batched-tokens 100000 is more than a step can use"),
     (["--device", "tpu"], "--device 'tpu' is not supported"),
     (["--quantization", "int4"], "--quantization 'int4' is not supported; use none, w8a8, mxfp4 or w8a8-mxfp4"),
 ])

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dsv4 import LLM, SamplingParams
+from dsv4.engine.config import DEFAULT_CHUNK
 from dsv4.engine.request import RequestError
 from tests.checkpoints import write_tiny_checkpoint
 from tests.model.conftest import W8A8_DENSE, assert_chains_agree
@@ -125,6 +126,29 @@ def _prefilled(d, prompt, limit):
     while not any(o.token_ids for o in eng.step()):
         pass
     return eng.runner
+
+
+def test_the_engine_keeps_the_daemon_contract(ckpt):
+    """`Engine` has every member the daemon reads (`dsv4.daemon.contract.ServedEngine`)."""
+    from dsv4.daemon.contract import ServedEngine
+
+    llm = LLM(ckpt[0], max_model_len=64, num_speculative_tokens=0)
+    assert isinstance(llm.engine, ServedEngine) and llm.engine.max_model_len == 64
+
+
+@pytest.mark.exact
+def test_greedy_output_is_the_same_for_every_prefill_budget(ckpt):
+    """Chunked = whole through the engine, MTP on: chunks of 16, 128 (the NPU kernel's tile)
+    and the CPU default (one chunk for every prompt here) give the same tokens."""
+    prompts = _prompts([300, 129, 37], seed=6)
+    params = SamplingParams(max_tokens=GEN, ignore_eos=True)
+    out = {}
+    for limit in (16, 128, None):
+        llm = LLM(ckpt[0], num_speculative_tokens=2, max_num_seqs=3, max_model_len=512,
+                  **({} if limit is None else {"prefill_limit": limit}))
+        assert llm.engine.config.effective_chunk_size == (limit or DEFAULT_CHUNK)
+        out[limit] = [c.token_ids for c in llm.generate(prompts, params)]
+    assert out[16] == out[128] == out[None]
 
 
 def test_mtp_state_after_chunked_prefill_equals_whole(ckpt):

@@ -21,7 +21,7 @@ def ckpt(tmp_path: Path) -> Path:
 def test_auto_is_the_default_with_mtp(ckpt: Path, value) -> None:
     c = EngineConfig.create(model=str(ckpt), num_speculative_tokens=value)
     assert c.speculative_auto and c.num_speculative_tokens == 3  # state and budget sized for K = 3
-    assert c.max_num_batched_tokens == 128 + 8 * 4
+    assert c.max_num_batched_tokens == 512 + 8 * 4  # DEFAULT_CHUNK beside a full batch of 1 + K rows
     assert any("K = auto (0..3" in line for line in c.banner_lines())
     assert dataclasses.replace(c, seed=1).speculative_auto  # re-validation keeps it
 

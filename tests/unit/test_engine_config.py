@@ -16,7 +16,7 @@ from dsv4.config import block_entry_bytes
 from safetensors.torch import save_file
 
 from dsv4.engine.checks import free_memory
-from dsv4.engine.config import EngineConfig, EngineConfigError
+from dsv4.engine.config import DEFAULT_CHUNK, EngineConfig, EngineConfigError, resolve_prefill_limit
 
 TINY = {
     "model_type": "deepseek_v4",
@@ -68,14 +68,15 @@ def test_defaults_resolved(ckpt: Path) -> None:
     c = EngineConfig.create(model=str(ckpt))
     assert c.has_mtp and c.speculative_auto and c.num_speculative_tokens == 3  # auto: K in 0..3
     assert c.dtype == "float32" and c.device == "cpu"
-    assert c.prefill_limit == 128 and c.model_config.prefill_limit == 128
+    # CPU: no kernel tile; the chunk is DEFAULT_CHUNK (the NPU kernel's 128 is the model's tile)
+    assert c.kernel_tile is None and c.prefill_limit == DEFAULT_CHUNK == 512 and c.model_config.prefill_limit == 128
     assert c.max_model_len == c.model_config.max_position_embeddings  # the model's whole context
     one = -(-(c.max_model_len + 3 + 1) // c.block_size)  # blocks of one request (K = 3 drafts + 1)
     assert c.block_size == 256 and c.kv_cache_blocks == 8 * one  # max_num_seqs requests at max_model_len
     assert c.kv_cache_memory == c.kv_cache_blocks * block_entry_bytes(c.model_config, 256, 4)
     assert any("prefix caching on" in s for s in c.banner_lines())
-    assert c.max_num_batched_tokens == 128 + 8 * 4
-    assert c.effective_chunk_size == 128 and not c.single_dispatch
+    assert c.max_num_batched_tokens == 512 + 8 * 4
+    assert c.effective_chunk_size == 512 and not c.single_dispatch
     assert c.torch_dtype is torch.float32
     assert any("chunked prefill with speculative decoding: supported" in s for s in c.banner_lines())
     # replace() re-validates from resolved values
@@ -98,7 +99,8 @@ def test_max_model_len_default_capped_by_positions(tmp_path: Path) -> None:
 def test_single_dispatch_exact_message(ckpt: Path) -> None:
     msg = err(EngineConfig.create, model=str(ckpt), enable_chunked_prefill=False, max_model_len=4096)
     assert msg == ("chunked prefill is disabled, but max_model_len 4096 exceeds the single-dispatch prefill "
-                   "limit 128 of deepseek_v4; enable chunked prefill or lower --max-model-len to 128")
+                   "limit 512 (--max-num-batched-tokens); enable chunked prefill, raise --max-num-batched-tokens "
+                   "or lower --max-model-len to 512")
 
 
 def test_single_dispatch_limit_from_budget(ckpt: Path) -> None:
@@ -110,10 +112,10 @@ def test_single_dispatch_limit_from_budget(ckpt: Path) -> None:
 
 def test_single_dispatch_ok(ckpt: Path) -> None:
     c = EngineConfig.create(model=str(ckpt), enable_chunked_prefill=False)
-    assert c.single_dispatch and c.max_model_len == 128 and c.effective_chunk_size == 128
+    assert c.single_dispatch and c.max_model_len == 512 and c.effective_chunk_size == 512
     c = EngineConfig.create(model=str(ckpt), enable_chunked_prefill=False, max_model_len=100,
                             long_prefill_token_threshold=16)
-    assert c.effective_chunk_size == 128  # the threshold only applies when chunking
+    assert c.effective_chunk_size == 100  # max_model_len; the threshold only applies when chunking
 
 
 def test_chunk_size_threshold_and_budget(ckpt: Path) -> None:
@@ -170,9 +172,25 @@ def test_bad_values_name_flag(ckpt: Path, field: str, flag: str, value) -> None:
     assert msg.startswith(flag), msg
 
 
-def test_prefill_limit_may_only_be_lowered(ckpt: Path) -> None:
-    msg = err(EngineConfig.create, model=str(ckpt), prefill_limit=256)
-    assert "prefill_limit 256 exceeds the prefill limit 128" in msg and "only be lowered" in msg
+def test_prefill_limit_may_only_be_lowered_under_a_kernel_tile(ckpt: Path) -> None:
+    """The NPU kernel's tile (128) caps the chunk there; CPU and CUDA have none, so the chunk
+    follows the step budget (issue 40)."""
+    msg = err(resolve_prefill_limit, limit=256, budget=None, tile=128, device="npu")
+    assert "prefill_limit 256 exceeds the prefill limit 128 of deepseek_v4 on npu" in msg and "only be lowered" in msg
+    assert resolve_prefill_limit(None, 2048, 128, "npu") == 128  # a budget never raises the tile
+    assert resolve_prefill_limit(None, None, None, "cpu") == DEFAULT_CHUNK
+    assert resolve_prefill_limit(None, 2048, None, "cpu") == 2048  # the budget is the chunk
+    c = EngineConfig.create(model=str(ckpt), prefill_limit=256)
+    assert c.effective_chunk_size == 256 and c.kernel_tile is None
+
+
+def test_a_budget_larger_than_a_step_can_use_is_refused(ckpt: Path) -> None:
+    c = EngineConfig.create(model=str(ckpt), max_model_len=256, max_num_seqs=2, num_speculative_tokens=1,
+                            max_num_batched_tokens=260)
+    assert c.effective_chunk_size == 256 and c.max_num_batched_tokens == 260  # the chunk: at most max_model_len
+    msg = err(EngineConfig.create, model=str(ckpt), max_model_len=256, max_num_seqs=2, num_speculative_tokens=1,
+              max_num_batched_tokens=261)
+    assert msg.startswith("--max-num-batched-tokens 261 is more than a step can use") and "to 260" in msg
 
 
 def test_dtype_resolution(ckpt: Path) -> None:
