@@ -1,22 +1,15 @@
 """Model configuration: `ModelConfig`, read from a checkpoint's `config.json`.
 
-Accepts both key sets found in the wild:
+Accepts both key sets found in the wild: the official DeepSeek keys (`compress_ratios`,
+`num_hash_layers`, `rope_scaling` with YaRN, ...) and the normalised keys transformers writes
+(`layer_types`, `compress_rates`, `rope_parameters`, ...). Every layer gets an attention
+kind and a compression ratio: "window" (ratio 0), "csa" (overlapping compressor plus
+lightning indexer) or "hca" (non-overlapping compressor); officially ratio 4 means CSA and
+any other ratio > 1 HCA, as the reference code decides.
 
-* the official DeepSeek keys (`compress_ratios`, `num_hash_layers`, `qk_rope_head_dim`,
-  `rope_scaling` with YaRN, ...), as DeepSeek publishes them;
-* the normalised keys transformers writes (`layer_types`, `compress_rates`,
-  `mlp_layer_types`, `partial_rotary_factor`, `rope_parameters`).
-
-Internally every layer gets an attention kind and a compression ratio:
-``"window"`` (ratio 0, sliding window only), ``"csa"`` (overlapping compressor plus
-lightning indexer) or ``"hca"`` (non-overlapping compressor, all entries). In the
-official key set a ratio of 4 means CSA and any other ratio > 1 means HCA, exactly as
-the reference code decides (`overlap = ratio == 4`).
-
-Problems are reported as `ConfigError` with a message naming the offending key (or the
-file, when it is not UTF-8 JSON). Numbers are range-checked as tensors are checked finite:
-NaN, infinities and values outside a key's range (a RoPE base <= 1, a non-positive epsilon
-or YaRN factor, ...) are errors, not a model that loads and prints garbage.
+Problems are `ConfigError`s naming the offending key (or the file, when it is not UTF-8
+JSON); NaN, infinities and values outside a key's range are errors, not a model that loads
+and prints garbage. Details: docs/architecture.md, 'dsv4/config.py'.
 """
 
 from __future__ import annotations

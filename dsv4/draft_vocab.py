@@ -1,23 +1,17 @@
 """A draft vocabulary: the tokens the MTP may propose (FR-Spec; SGLang's `--speculative-token-map`).
 
-On a model with a large vocabulary the draft head is a large part of what a draft reads
-(DeepSeek V4 Flash: 129280 x 4096, 530 MB as int8, as much as the MTP layer itself). A
-draft vocabulary restricts the draft head to the most frequent tokens of some text: the
-MTP's logits outside it are -inf, so its draft distribution q is zero there. Drafts stay
-proposals: greedy verification compares them with the target's argmax, and rejection
-sampling (`sampling.verify_sampled`) draws from max(p - q, 0) on rejection, which covers
-the tokens outside the set. The output is the target's exactly; only acceptance can drop
-(a target token outside the set is never drafted).
+A draft vocabulary restricts the MTP's draft head (a large part of what a draft reads on a
+model with a large vocabulary) to the most frequent tokens of some text: the MTP's logits
+outside it are -inf, so its draft distribution q is zero there. The output is the target's
+exactly (greedy verification compares with the target's argmax; rejection sampling's
+residual covers the tokens outside the set); only acceptance can drop.
 
-The file, `draft_vocab.json` in a checkpoint directory (used by default) or any path given
-to `--draft-vocab`, is a JSON object:
-
-    {"format": "dsv4-draft-vocab", "version": 1, "vocab_size": 129280,
-     "token_ids": [...most frequent first...], "coverage": 0.97, "source": "..."}
-
-`dsv4 draft-vocab` writes one from text files (`build`); `read` checks one (every id an
-int in 0..vocab_size-1, no repeats, at least one) and raises `DraftVocabError` with a
-one-line reason.
+The file, `draft_vocab.json` in a checkpoint directory (used by default) or any path given to
+`--draft-vocab`, is a JSON object `{"format": "dsv4-draft-vocab", "version": 1, "vocab_size",
+"token_ids" (most frequent first), "coverage", "source"}`. `dsv4 draft-vocab` writes one
+from text files (`build`); `read` checks one (every id in 0..vocab_size-1, no repeats, at
+least one) and raises `DraftVocabError` with a one-line reason.
+Details: docs/quantization.md, 'dsv4/draft_vocab.py'.
 """
 
 from __future__ import annotations

@@ -1,40 +1,16 @@
 """DSML tool calls: parse what DeepSeek V4 generates into OpenAI `tool_calls`.
 
-V4 writes its calls after the content (`｜DSML｜` is text inside the tags; several `invoke`s in
-one block are parallel calls):
-
-    <｜DSML｜tool_calls>
-    <｜DSML｜invoke name="get_weather">
-    <｜DSML｜parameter name="city" string="true">Paris</｜DSML｜parameter>
-    <｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>
-    </｜DSML｜invoke>
-    </｜DSML｜tool_calls>
-
-Also accepted: V3.2's block `function_calls`, V4.1's `calls` with spaces after `｜DSML｜`, invokes
-without a block, self-closing tags, a V4.1 invoke body that is one JSON object.
-
-`DSMLStreamParser` (the events and call types are in `calls.py`) is fed text as it is detokenised and
-emits `ContentDelta` as it comes, and each call whole once its invoke closes: `ToolCallStart` (name),
-`ToolCallArgs` (its JSON arguments), `ToolCallEnd`; `parse_dsml` feeds it the whole text. Whatever could still become a tag (`<`, `<｜`, `</｜DSML｜para`, ...) is held back until
-decided, and every `<｜DSML｜...` span is markup, so no DSML fragment reaches content. Whitespace
-just before a block (V4 writes a blank line there) and just after it is dropped from content.
-
-Values are typed by the tool's schema (`properties[name]`: `type`, a type list, `anyOf`/`oneOf`, a
-string `enum`; no schema means "as written"). `string="true"` (or no `string`): the text as written,
-unless the schema allows no string; then the text as JSON if that is not a string (`"2"` for an
-integer is 2). `string="false"`: the text as JSON; where the schema allows a string, unparsable
-text (or a non-string where only a string is allowed) is the stripped text as a string; where it
-does not, unparsable text stays a JSON string (so `arguments` is valid JSON) and the call is
-reported malformed (`ToolCall.error`). An undeclared `arguments`/`parameters`/... parameter holding an object is a
-wrapper: its members become the arguments. `arguments` is `json.dumps` of the object (unicode
-kept), and the streamed pieces concatenate to exactly that string.
-
-Calls to functions not in `tools` are dropped (and listed in `errors`) unless `allow_unknown`. A
-call still open at the end (generation stopped by `length`) is not a call: its arguments may
-miss what its schema requires, so no event of it is emitted (streamed and whole agree) and an
-agent that runs `tool_calls` without reading the finish reason never runs it.
-`finish_reason`: "length" then, else "tool_calls" with calls, else None. At the end, a held-back
-`<` or `</` that never became a tag is text, unless the text was cut by its length (`finish(cut=True)`).
+V4 writes its calls after the content, as a `<｜DSML｜tool_calls>` block of `invoke`
+elements with `parameter`s (`string="true"|"false"`); V3.2's and V4.1's variants are
+accepted too. `DSMLStreamParser` (events and call types in `calls.py`) is fed text as it is
+detokenised and emits `ContentDelta` as it comes and each call whole once its invoke closes
+(`ToolCallStart`, `ToolCallArgs`, `ToolCallEnd`); `parse_dsml` feeds it the whole text.
+Whatever could still become a tag is held back until decided, so no DSML fragment reaches
+content. Values are typed by the tool's schema; `arguments` is `json.dumps` of the object,
+and the streamed pieces concatenate to exactly that string. Calls to functions not in
+`tools` are dropped (listed in `errors`) unless `allow_unknown`; a call still open at the
+end is not a call. `finish_reason`: "length" then, else "tool_calls" with calls, else None.
+The format, accepted variants and typing rules: docs/agents.md, 'dsv4/agents/dsml.py'.
 """
 from __future__ import annotations
 

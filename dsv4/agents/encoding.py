@@ -1,37 +1,17 @@
 """DeepSeek V4's prompt encoding: OpenAI-style chat messages -> prompt pieces -> token ids.
 
 V4 ships no Jinja template; DeepSeek's published encoder (`encoding_dsv4.py`) builds the
-prompt in code, and this module follows its rules (written anew here):
-
-* `<｜begin▁of▁sentence｜>` once; a system message is its text, bare; a user turn is
-  `<｜User｜>` + text; the turn after a user turn opens with `<｜Assistant｜>` + `<think>`
-  (thinking mode) or `</think>` (chat mode); a finished assistant turn is [reasoning +
-  `</think>`] + content + DSML tool calls + `<｜end▁of▁sentence｜>`.
-* Request `tools` render as the "## Tools" block after the first system message's text
-  (a system message is synthesised at the start when there is none); with `tool_choice`
-  "none" they are not rendered at all (as DeepSeek's API does). `response_format` adds a
-  "## Response Format" note after them.
-* An assistant's `tool_calls` render as a `<｜DSML｜tool_calls>` block of `invoke`
-  elements; a string argument is written raw with `string="true"`, any other value as
-  JSON with `string="false"`.
-* There is no tool role: a run of consecutive `tool` (and `user`) messages is one user
-  turn whose blocks (`<tool_result>…</tool_result>` for tool results) are joined by a blank
-  line; the tool results are put in the order of the calls of the assistant message that
-  made them. A `tool_call_id` that names none of its calls is an error.
-* Thinking mode drops the reasoning of assistant turns before the last user turn, unless
-  tools are rendered (then every turn keeps `<think>` + reasoning + `</think>`, which is
-  why DeepSeek's API asks for `reasoning_content` back in tool loops).
-* `reasoning_effort`: "high" and "max" put their preamble first (thinking mode only);
-  "low", "minimal" and "medium" add nothing; "none" means chat mode.
-* Unlike DeepSeek's encoder, a conversation that ends with an assistant or system message
-  still gets the final `<｜Assistant｜>` + think token: a request always asks for a new turn.
+prompt in code, and this module follows its rules (written anew here): BOS once, system
+text bare, `<｜User｜>` turns, `<｜Assistant｜>` + `<think>` or `</think>`, tools as a
+"## Tools" block, assistant `tool_calls` as DSML, tool results as `<tool_result>` blocks of
+a user turn, reasoning dropped before the last user turn unless tools are rendered,
+`reasoning_effort` preambles; unlike DeepSeek's, it always asks for a new assistant turn.
 
 A prompt is a list of pieces: `str` (text, encoded as plain text, so no message, name,
 argument or schema can produce a special token) or `Special` (one token, inserted by id).
 `render` builds the pieces, `to_ids` turns them into ids with any tokenizer that has
-`encode(text)` and `token_to_id(token)` (`dsv4.engine.tokenizer.Tokenizer`), `to_text`
-into the prompt string. Bad input raises `EncodingError` (one line, and the request field
-it is about).
+`encode(text)` and `token_to_id(token)`, `to_text` into the prompt string; bad input raises
+`EncodingError` (one line, naming its request field). Rules: docs/agents.md, 'dsv4/agents/encoding.py'.
 """
 
 from __future__ import annotations

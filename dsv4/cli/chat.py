@@ -5,18 +5,12 @@
     >>> /clear                 forget the conversation
     >>> /bye                   leave (Ctrl-D too)
 
-With `--tools FILE` (models with a chat template) the tools are rendered into every turn;
-the calls an answer makes print as `[tool call ID] NAME ARGUMENTS` lines (no DSML), and
-the session asks for each call's result (`NAME> `: the line typed is the tool's output),
-then sends them back for the model to go on, as an agent loop does. `--tool-choice`
-required or a name forces a call on each of your turns (not on the answers to results).
-
-A model whose tokenizer has DeepSeek's chat tokens gets the conversation rendered with its
-chat template (`Tokenizer.encode_chat`, token ids sent raw); a model without them (the
-embedded Shakespeare model) continues the transcript: everything said so far, each turn
-on its own line. Line editing and history come from `readline` when Python has it.
-Ctrl-C while an answer streams cancels that answer (the daemon frees its slot) and the
-session goes on; Ctrl-C at the prompt clears the line.
+With `--tools FILE` the calls an answer makes print as `[tool call ID] NAME ARGUMENTS` lines
+and the session asks for each call's result (`NAME> `), then sends them back, as an agent
+loop does. A model with DeepSeek's chat tokens gets the conversation rendered with its chat
+template (`Tokenizer.encode_chat`); one without them continues the transcript. Ctrl-C while
+an answer streams cancels that answer and the session goes on; Ctrl-C at the prompt clears
+the line. Details: docs/agents.md, 'dsv4/cli/chat.py'.
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 """Admission of requests into the daemon: the gate before decoding, the client table, and
 text prompts to token ids.
 
-`Admission` is a part of `Server` (a mixin: it uses the server's socket, engine, client
-table and limits), kept apart so each file stays readable:
+`Admission` is a part of `Server` (a mixin using the server's socket, engine, client table
+and limits), kept apart so each file stays readable:
 
     _admit(client, frames)   API key (hmac.compare_digest, first), client limit (busy),
                              one frame, frame size (over the --max-model-len limit: too_large)
-    _early_pong(...)         on the step watch's thread, during a slow step: pings with the
-                             right key answered at once (`watch.StepWatch`)
+    _early_pong(...)         on the step watch's thread during a slow step: right-key pings
     _drop_client(...)        a client gone or silent: its requests cancelled
     _generate(...)           request limit (busy), sampling params, text byte limit (before
                              tokenizing), then tokenize inline (small) or on the worker (big);

@@ -1,14 +1,11 @@
 """A client of the daemon: one DEALER socket, any number of requests in flight.
 
-ZeroMQ `connect` succeeds with nobody listening, so `Client.connect()` first checks that
-the socket directory can be trusted (`paths.check_socket_dir`: ours, private, no
-symlink; else `UnsafePathError` before a byte is sent), then the pid file's lock, then
-that the socket is a socket of ours (an ipc socket with no live daemon behind it fails at once) and then
-pings with a timeout; both failures raise `DaemonUnreachable` with the hint to start
-the daemon. While waiting for replies the client pings every HEARTBEAT_INTERVAL_S so the
-daemon knows it is alive, and checks that the daemon still is. With an API key
-(`api_key`, default `$DSV4_API_KEY`) every message goes out as two frames, the key
-(prefixed with `protocol.KEY_PREFIX`) and the message.
+`Client.connect()` checks, before a byte is sent, that the socket directory can be trusted
+(`paths.check_socket_dir`, else `UnsafePathError`), then the pid file's lock, that the
+socket is a socket of ours, then pings with a timeout (ZeroMQ's `connect` succeeds with
+nobody listening); failures raise `DaemonUnreachable` with the hint to start the daemon.
+While waiting it pings every HEARTBEAT_INTERVAL_S and checks the daemon still lives. With
+an API key (`api_key`, default `$DSV4_API_KEY`) a message is two frames: KEY_PREFIX + key.
 
     with Client(endpoint) as c:
         c.connect()

@@ -1,26 +1,17 @@
 """What stands between the daemon's socket and its engine loop: a tokenizing worker and a connection guard.
 
 * `Intake`: big text prompts are tokenized on one worker thread (the `tokenizers` library
-  releases the GIL while it works), so a 4 MiB prompt does not stall the engine step loop and
-  everyone's streams; a structured request's grammar compiles in the engine's compile pool
-  (`Engine.submit_grammar`), whose future it watches the same way. Finished ones wake the
-  loop through the server's wakeup socket and are collected with `done()`.
-* `ConnectionGuard`: counts the ROUTER's open connections with a ZeroMQ socket monitor.
-  libzmq aborts the whole process when accepting an ipc connection fails for lack of
-  descriptors (EMFILE: `Too many open files (src/ipc_listener.cpp:297)`; its tcp listener
-  copes), so the daemon keeps it from getting there: at `limit` open
-  connections (or below 3/4 of the headroom of free descriptors, whatever holds them:
-  HTTP connections too) it unbinds the endpoint (every connection of that listener is
-  dropped, new ones are refused) and binds again after a pause. Its own thread reads the
-  monitor, so it reacts to accepts at once, also while the engine steps. `connection_limit()`
-  derives the limit from the descriptor limit, keeping headroom for the accepts that land
-  before the unbind, and the HTTP front end's share. It is a race the guard wins by
-  reacting within the headroom: a same-user flood of 600 ipc connects lands in ~40 ms, so
-  at a descriptor limit as small as 256 a guard thread kept from the GIL (the HTTP thread
-  refusing an HTTP flood) lost it 1 time in 5 on a loaded 2-core machine until it looked
-  at the descriptors before reading each event and the daemon switched threads every 1 ms
-  (`process.py`). The daemon raises its soft descriptor limit to the hard one at start,
-  which makes the headroom large in practice.
+  releases the GIL), so a huge prompt does not stall the engine loop and everyone's streams;
+  a structured request's grammar compiles in the engine's pool (`Engine.submit_grammar`),
+  whose future it watches the same way. Finished ones wake the loop through the server's
+  wakeup socket and are collected with `done()`.
+* `ConnectionGuard`: libzmq aborts the whole process when accepting an ipc connection fails
+  for lack of descriptors (EMFILE), so this counts the ROUTER's open connections with a
+  socket monitor, on its own thread, and at `limit` (or when free descriptors run low)
+  unbinds the endpoint (dropping its connections) and binds again after a pause.
+  `connection_limit()` derives the limit from the descriptor limit, keeping headroom for
+  accepts that land before the unbind and for the HTTP front end's share.
+Details (the race it must win, as measured): docs/security.md, 'dsv4/daemon/intake.py'.
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Where the daemon lives on disk: endpoint, socket directory, pid file, log file.
 
 * Endpoint: `DSV4_SOCKET` if set, else `ipc://$XDG_RUNTIME_DIR/dsv4/dsv4.sock`, else
-  `ipc:///tmp/dsv4-<uid>/dsv4.sock` (a per-user directory that must be ours and 0700).
-  `tcp://HOST:PORT` endpoints also work (no socket file; the pid file then goes in the
-  default socket directory, named after the endpoint).
-* An `ipc://` endpoint is a Unix socket path: at most 107 bytes (sun_path minus NUL).
-  `check_endpoint` says so, with the length, before anything binds or connects.
-* Pid file: `<socket path>.pid`, held with an exclusive `flock` for the daemon's life.
-  A lock that can be taken means no daemon: any socket or pid file left is stale.
-* Log file (`serve --detach`): `$XDG_STATE_HOME/dsv4/dsv4.log`, else `~/.local/state/dsv4/dsv4.log`;
-  its directory is checked as the socket directory is (`open_log`), and the file is opened
-  O_NONBLOCK (a FIFO planted there cannot hang `serve --detach`) and refused unless regular.
+  `ipc:///tmp/dsv4-<uid>/dsv4.sock`; `tcp://HOST:PORT` works too. An `ipc://` path is at
+  most 107 bytes (`check_endpoint` says so before anything binds or connects).
+* Pid file: `<socket path>.pid`, held with an exclusive `flock` for the daemon's life; a
+  lock that can be taken means no daemon, and any socket or pid file left is stale.
+* Log file (`serve --detach`): `$XDG_STATE_HOME/dsv4/dsv4.log`, else `~/.local/state/dsv4/dsv4.log`.
 
-Trust (both sides, before binding and before connecting): the socket directory -- the
-default one, or the parent of an explicit `ipc://` path -- must not be a symlink
-(`lstat`), must be owned by the current user, and must have no group/world access
-(mode 0700); it is created that way when missing and never chmod-ed into shape. The
-socket must be a socket owned by the current user. Pid and log files are opened with
-`O_NOFOLLOW`, created 0600, and must be regular files owned by us. Any mismatch is an
-`UnsafePathError` saying what is wrong and how to fix it (exit status 1). The directory
-check itself is `dsv4.private_paths.check_private_dir`, shared with the compile cache.
+Trust (both sides, before binding and connecting): the socket directory is no symlink, ours
+and 0700 (created so, never chmod-ed; `private_paths.check_private_dir`), the socket a
+socket of ours; pid and log files are opened `O_NOFOLLOW`, created 0600, regular and ours.
+Any mismatch is an `UnsafePathError` saying what is wrong and how to fix it (exit status 1).
+Details: docs/security.md, 'dsv4/daemon/paths.py'.
 """
 
 from __future__ import annotations

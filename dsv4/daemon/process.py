@@ -7,13 +7,10 @@ Foreground (`run_daemon`):
     bind, serve until SIGTERM / SIGINT / `dsv4 stop`
     cancel what is in flight, tell the clients, remove the socket and the pid file
 
-Detached (`spawn_detached`): start the foreground daemon as a new session with its
-output appended to the log file (0600, never through a symlink), wait until it answers
-a ping (or dies), report; a daemon that dies while starting is reported by the last
-error it logged (a port in use, a bad checkpoint), in one line. The child is this interpreter in safe-path mode (`-P`: the
-working directory is not on sys.path) started in `/`, so a `./dsv4/` package where the
-user happens to stand is never imported; its key (if any) travels in the environment,
-not on the command line.
+Detached (`spawn_detached`): the foreground daemon as a new session, output appended to the
+log file, waited for until it answers a ping (or dies: reported by the last error it logged,
+in one line). The child runs in safe-path mode (`-P`) from `/`, so no `./dsv4/` package is
+imported; its key travels in the environment. Details: docs/daemon.md, 'dsv4/daemon/process.py'.
 """
 
 from __future__ import annotations

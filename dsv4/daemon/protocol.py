@@ -1,57 +1,17 @@
 """The wire protocol between `dsv4` clients (ZeroMQ DEALER) and the daemon (ROUTER).
 
-Every message is one ZeroMQ frame holding one msgpack map with at least
-
-    v     protocol version (PROTOCOL_VERSION)
-    type  message type (below)
-    id    request id: a client-chosen string, unique among that client's live requests
-
-Client -> daemon                              daemon -> client
-    ping                                          pong     {pid, version, model, state, max_message_bytes,
-                                                            message_limit_reason}
-    status                                        status   {status: map}
-    generate {prompt, mode, system, thinking,     delta    {text, token_ids, sources[, pieces][, logprobs]
-                                                            [, prompt_logprobs]}  (streamed)
-              params, pieces, strict_length,      final    {finish_reason, error, usage, timings, spec,
-              client, tools, follows}                       compiled, compiled_buckets}
-    cancel   {target: id of a generate}           ok       (cancel, shutdown)
-    shutdown                                      error    {code, message}  (id null when unknown)
-
-`generate.prompt` is text or a list of token ids; `mode` is auto|chat|raw; `params` is
-a map of `dsv4.engine.sampling.SamplingParams` fields (the daemon validates it);
-`tools` (OpenAI function tools, or nil) are rendered into a text chat prompt as V4's
-tools block (`dsv4 run --tools`);
-`pieces: true` asks for the text of each token in deltas (for `--show-drafts`);
-`strict_length: true` (the HTTP API, for an explicit max_tokens, as vLLM does) refuses with
-`bad_request` a request whose prompt and max_tokens do not fit in max_model_len, instead
-of stopping it at the model's length (finish_reason "length"). `client` (optional, at most
-MAX_CLIENT_LEN characters) names the end client of a connection that serves several (the
-HTTP front end: an API user); the engine shares its slots fairly between clients, a
-client being a connection and, within it, each `client` name. `follows` (optional) names
-an earlier generate of this client with the same prompt (samples of one prompt: HTTP's `n`):
-the engine starts it once that one's prompt is prefilled, from the prefix cache's blocks.
-A daemon started with an API key (`serve --api-key`) takes only two-frame messages whose
-first frame is KEY_PREFIX + key, compared in constant time before anything else is
-read; anything else gets an `unauthorized` error and nothing more. A daemon without a
-key ignores such a key frame.
-`logprobs` (when `params.logprobs` asks) holds one map per new token, {id, token, bytes,
-logprob, top: [{id, token, bytes, logprob}, ...]} (`token`: its text, or `bytes:\\xNN..` for
-part of a character; `bytes`: its UTF-8 bytes as integers; `top`: the most likely tokens,
-most likely first; a logprob of -inf travels as nil); `prompt_logprobs` (when
-`params.prompt_logprobs` asks: echo) comes once, in the first delta, one such map per
-prompt token, the first with logprob nil (`dsv4.engine.logprobs`).
-`sources` names, per new token, how it was produced: "draft" (accepted MTP draft) or
-"target". A final's `compiled` says whether decode steps run compiled (`--compile`) and
-`compiled_buckets` which token counts do, {main: [1, 2, 4], mtp: [1, 2]} (empty lists
-when eager); like usage, timings and spec they are nil in a final that has no metrics (a
-cancelled or failed request). A client sends any message (usually `ping`) at least every
-HEARTBEAT_INTERVAL_S while it waits; the daemon cancels the requests of a client it
-has not heard from for HEARTBEAT_TIMEOUT_S, and of one it can no longer reach. The
-daemon answers pings during long engine steps too (its step watch).
+Every message is one ZeroMQ frame holding one msgpack map with at least `v`
+(PROTOCOL_VERSION), `type` and `id` (a client-chosen string, unique among that client's
+live requests). Client -> daemon: ping, status, generate {prompt, mode, params, ...},
+cancel {target}, shutdown; daemon -> client: pong, status, delta (streamed), final, ok,
+error {code, message}. With an API key (`serve --api-key`) a message is two frames,
+KEY_PREFIX + key first, compared in constant time before anything else is read. A client
+sends a message (usually `ping`) at least every HEARTBEAT_INTERVAL_S while it waits; the
+daemon cancels the requests of a client silent for HEARTBEAT_TIMEOUT_S.
 
 Exceptions never cross the socket: `decode_request` turns anything malformed into a
-`ProtocolError` carrying an error code, and the daemon answers with an `error` message.
-This module imports no torch, so the CLI starts fast.
+`ProtocolError` with an error code, answered with an `error` message. No torch is imported
+here, so the CLI starts fast. Every field: docs/daemon.md, 'dsv4/daemon/protocol.py'.
 """
 
 from __future__ import annotations

@@ -7,24 +7,11 @@
         handle the messages the step watch held during the step
         cancel the requests of clients that went silent
 
-One thread owns the engine; it blocks on the socket only when idle, and lends it to the
-step watch (`watch.StepWatch`: pings answered at once, the rest held for the loop) during
-a slow step, so clients see a live daemon however long a step takes. Each client is a
-DEALER identified by its ZeroMQ routing id; a request is known by (client, its id) and
-given an engine request id of its own, so clients cannot collide. With ROUTER_MANDATORY
-a send to a client that has gone (killed, Ctrl-C) fails at once, so its requests are
-aborted and their slots freed on the next token; clients silent for longer than the
-heartbeat timeout (e.g. still queued when they died) are reaped the same way.
-
-Nothing raised while handling one message reaches the loop: bad messages get an `error`
-reply, a failing engine step fails the requests in flight and the daemon keeps serving.
-
-Untrusted input is refused cheaply (docs/security.md): with an API key, a
-message without the right key frame gets `unauthorized` before anything else is read;
-more than `max_clients` clients or `max_requests` requests get `busy`; text over the
-byte limit of --max-model-len is refused before tokenizing, and big prompts are
-tokenized on a worker thread (`intake.Intake`); the `intake.ConnectionGuard` keeps
-libzmq from running out of descriptors.
+One thread owns the engine and, except during a slow step (`watch.StepWatch`), the socket.
+A request is known by (client routing id, its id) and gets an engine request id of its
+own; a client gone or silent has its requests aborted. Nothing raised while handling one
+message reaches the loop, and untrusted input is refused cheaply (docs/security.md).
+Details: docs/daemon.md, 'dsv4/daemon/server.py'.
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """Pings answered while the engine steps, so that liveness does not depend on step latency.
 
-The daemon's loop thread owns the ROUTER socket, and an engine step does not touch it; a
-step takes milliseconds on a quiet machine and seconds on a busy one (a long prefill on a
-slow CPU, minutes). Clients judge the daemon alive from its pongs (the HTTP front end's
-`Bridge.alive`, the CLI's `Client.connect`), so a daemon that answered only between steps
-looked dead during a long one. `StepWatch` lends the socket to a second thread for the
-length of each slow step:
+Clients judge the daemon alive from its pongs, and a step may take minutes on a slow CPU,
+so `StepWatch` lends the loop's ROUTER socket to a second thread for each slow step
+(docs/daemon.md, 'dsv4/daemon/watch.py'):
 
     loop thread                          watch thread ("dsv4-watch")
-    with watch.stepping():               every CHECK_S: has a step run for GRACE_S?
-        engine.step()                      then take the socket (the lock) and, until the
-                                           step ends, answer each ping at once and hold
-    for held in watch.take_held():         every message (pings included) for the loop
-        handle it (after the step)
+    with watch.stepping():               every CHECK_S: has a step run for GRACE_S? then take
+        engine.step()                      the socket (the lock), answer each ping at once,
+    for held in watch.take_held(): ...     and hold every message for the loop (after the step)
 
-One thread touches the socket at a time: the lock is the hand-off (a ZeroMQ socket may
-move between threads across a full memory barrier, which a mutex is). A step shorter than
-GRACE_S never wakes the watch, so fast steps pay an uncontended release and acquire. Held
-messages are handled after the step, in arrival order and before anything newer, through
-the normal admission path (API key, limits, client bookkeeping); only the pong went out
-early. The watch reads nothing the loop changes but the step's start time; what it may
-send is decided by the `answer` callback (the server's `_early_pong`), which touches only
-the socket and settings fixed at startup.
-
-A pong says that the process and its socket are alive, not that the step will end soon:
-no client fails a request in flight for a missed pong (docs/http-api.md).
+One thread touches the socket at a time (the lock is the hand-off); a step under GRACE_S
+never wakes the watch; held messages go through the normal admission path after the step,
+in arrival order. A pong says the process lives, not that the step ends soon.
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Compiled decode steps kept on disk (`--compile` warm starts): AOTInductor packages.
 
-A bucket's step (`Step`: the model's own `forward_batch` / `mtp_forward` on
-`Batch.static_step`, the state tensors passed in as inputs and mutated in place) is
-exported (`torch.export`) and compiled ahead of time into a package (a shared object
-and its C++ sources) under `<private compile cache>/aoti/<key>.pt2`. A later start loads it
-in milliseconds with AOTInductor's C++ loader instead of tracing and compiling (seconds to
-minutes a bucket).
-
-The package holds code, never weights (`package_constants_in_so` off, no freezing): the
-weights, buffers (RoPE tables, hash routing) and the model's fused tensors are handed
-to the loader from the live model at load (`user_managed`: no copy), each first checked
-against the name, shape, stride and dtype the package was built for (a missing or
-mis-shaped constant would crash the process, not raise). The few small tensors the model
-creates while it runs (index tables) travel as values in the package's metadata.
-
-The key (the file name) is a sha256 of everything the compiled code depends on: the
-model config, the name, shape, stride and dtype of every parameter, buffer and tensor
-attribute (that covers dtype, quantization and the tensor-parallel shard; rank and world
-are added anyway), kind and bucket, the state's tensor shapes, torch's version, the CPU
-instruction set inductor picks, and the source of dsv4/model/*.py (a model-code change
-never loads an old package). Weight *values* are not in it: the package does not
-contain them, so two checkpoints of one shape share their packages.
-
-Trust: the directory is created 0700 inside the checked private cache, and rechecked
-before each load; a package (and its checksum file) must be a regular file of ours
-that no one else can write, and its sha256 must equal the one written next to it after
-a successful build (a truncated or corrupted shared object can crash the loader: it
-has no checksum of its own). Its metadata (torch version, CPU ISA, key) must match
-this process. Anything else: one warning line with the reason, then a rebuild.
+A bucket's step (`Step`: the model's `forward_batch` / `mtp_forward` on `Batch.static_step`,
+state tensors as inputs mutated in place) is exported and compiled ahead of time into a
+package under `<private compile cache>/aoti/<key>.pt2`, which a later start loads with
+AOTInductor's C++ loader instead of tracing and compiling. The package holds code, never
+weights: those are handed in from the live model at load (`user_managed`, no copy), each
+first checked against the name, shape, stride and dtype it was built for. The key is a
+sha256 of everything the compiled code depends on (model config, every tensor's name,
+shape, stride and dtype, rank and world, kind and bucket, state shapes, torch's version,
+the CPU ISA, the source of dsv4/model/*.py), never weight values. A package loads only
+from the checked private cache, as a regular file of ours no one else can write, whose
+sha256 matches the one written after its build; anything else: one warning line, a rebuild.
+Details: docs/compile.md, 'dsv4/engine/artifacts.py'.
 """
 
 from __future__ import annotations

@@ -2,27 +2,16 @@
 
 `calibrate(runner, params)` times, before any request, what a decode step of B requests
 drafting K tokens each costs, by part (one request at every K, and max_num_seqs requests at
-K = 0 and the largest K):
-
-* `verify`: the main model's dispatch of B * (1 + K) decode tokens; `draft`: one MTP
-  dispatch over its rows. Tokens differ (identical ones route to the same experts: each
-  verified token looked half as dear) and follow a context: a window of positions each slot
-  is told it holds (`ModelState.assume`: garbage rows, nothing computed), so that every
-  verified token pays its attention over a full window as in serving. Computing such a
-  context instead ran shapes serving had not asked for yet (a prefill): under bfloat16 each
-  new matmul shape keeps ~1 MiB in oneDNN's kernel cache, more than a tight RLIMIT_DATA left
-  for the daemon's threads.
-* `verify_host`: choosing the step's tokens from B * (1 + K) rows of logits
-  (`verify.sample_verify`: processing, sampling, verification); `draft_host`: proposing one
-  draft for each of B rows (`drafting.propose`). Host work, which grows with the rows as
-  the dispatches do not: under the embedded model's default sampling it is 0.9 ms of a
-  6.9 ms step at K = 0 and as much again per sampled draft, so leaving it out of the
-  shapes made K = 1 look 10% faster than K = 0 where serving found it 2% slower. Timed with
-  `params`, the engine's default sampling parameters, on random logits.
+K = 0 and the largest K): `verify` (the main model's dispatch of B * (1 + K) tokens) and
+`draft` (one MTP dispatch), over distinct tokens and a full window of assumed context
+(`ModelState.assume`: nothing computed); `verify_host` and `draft_host`, the host work of
+choosing tokens (`verify.sample_verify`) and proposing drafts (`drafting.propose`), timed
+with `params` (the engine's default sampling) on random logits.
 
 Serving moves each table's level to what the requests in flight cost (`CostTable`); the
 calibration only fixes how the costs grow with the token and row counts. The slots are freed
-again and the global RNG left as it was.
+again and the global RNG left as it was. Why it is timed this way, with the measurements:
+docs/serving.md, 'dsv4/engine/calibration.py'.
 """
 
 from __future__ import annotations
@@ -118,8 +107,8 @@ def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: i
 
 def _typical(xs: list[float]) -> float:
     """The mean of the runs within 1.5x their median: each phase counts, a run a neighbour's
-    burst of work slowed down does not (one calibration read 10.8 ms for 3 tokens where the
-    others read 8.9-9.3)."""
+    burst of work slowed down does not (an example: docs/serving.md,
+    'dsv4/engine/calibration.py')."""
     med = sorted(xs)[len(xs) // 2]
     kept = [x for x in xs if x <= 1.5 * med]
     return sum(kept) / len(kept)

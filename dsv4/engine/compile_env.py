@@ -1,22 +1,16 @@
 """Where and how `--compile` compiles: inductor's CPU settings, the private cache, the checks.
 
-On the CPU each bucket compiles with `CPU_OPTIONS` (a C++ wrapper, frozen weights, and
-inductor's C++ micro-GEMM for every matmul with a weight operand, see `_prefer_cpp_gemm`),
-with oneDNN off during the compile so that the result can be cached (inductor cannot store
-oneDNN-packed weights).
-
-Inductor's on-disk cache holds compiled code that this process loads and runs, so it
-must not live in a directory another user can write (its default is
-`/tmp/torchinductor_$USER`): `private_cache_dir()` points `TORCHINDUCTOR_CACHE_DIR`
-(and `TRITON_CACHE_DIR`) at `$XDG_CACHE_HOME/dsv4/inductor` (else
-`~/.cache/dsv4/inductor`), created 0700 and refused unless it is ours and private, and
-unless no other user can change any directory above it (`check_trusted_chain`, walked by
-descriptor: otherwise they could swap the checked directory for theirs afterwards). The
-check runs again before every bucket's compile (`recheck_cache_dir`): a failure there stops
-the capture and leaves the remaining buckets eager.
+On the CPU each bucket compiles with `CPU_OPTIONS` (a C++ wrapper, frozen weights, inductor's
+C++ micro-GEMM for every matmul with a weight operand: `_prefer_cpp_gemm`), with oneDNN off
+during the compile so the result can be cached. `private_cache_dir()` points
+`TORCHINDUCTOR_CACHE_DIR` (and `TRITON_CACHE_DIR`) at `$XDG_CACHE_HOME/dsv4/inductor` (else
+`~/.cache/dsv4/inductor`), created 0700 and refused unless ours, private, and below
+directories no other user can change (`check_trusted_chain`); `recheck_cache_dir` repeats
+the check before every bucket's compile (a failure leaves the remaining buckets eager).
 `buckets` are the token counts compiled; `check_backend` refuses a device inductor cannot
-compile for; `quiet_capture` keeps torch's own deprecation chatter out of the terminal;
-`compiler_settings` is what a bucket's torch.compile runs under.
+compile for; `quiet_capture` keeps torch's deprecation chatter out of the terminal;
+`compiler_settings` is what a bucket's torch.compile runs under. Why: docs/compile.md,
+'dsv4/engine/compile_env.py'.
 """
 
 from __future__ import annotations
@@ -48,9 +42,9 @@ CPU_OPTIONS: dict[str, object] = {"cpp_wrapper": True, "freezing": True, "max_au
 
 def _prefer_cpp_gemm(choices: list) -> list:
     """Autotuning's choices for one matmul cut to inductor's C++ GEMM where it applies (ATen's
-    where it does not), so nothing is timed: timing costs a C++ build of ~3 s a matmul at
-    capture, and the C++ GEMM won for 1 and 2 rows, by 3-5x, wherever both were timed on
-    the embedded model (BENCHMARKS.md); MKL's lead at 8 rows and more was within 10 %."""
+    where it does not), so nothing is timed: timing costs a C++ build a matmul at capture,
+    and the C++ GEMM won for 1 and 2 rows wherever both were timed, MKL's lead at 8 rows and
+    more being small (figures: docs/compile.md, 'dsv4/engine/compile_env.py')."""
     from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
 
     if not _PREFER["active"]:  # another torch.compile of this process: left alone

@@ -1,32 +1,16 @@
 """Captured decode dispatches (`--compile`): the model itself, compiled per bucket.
 
-`CompiledSteps(model, state, max_tokens, with_mtp)` compiles the model's own
-`forward_batch` / `mtp_forward` (fullgraph) on a static decode dispatch
-(`Batch.static_step`: tensors only, every row short, masks over the whole entry table)
-for every bucket of token counts 1, 2, 4, ... up to `max_tokens` at startup
-(`capture()`); there is no second implementation of any layer. Then `main(batch)` /
-`mtp(batch, hidden)` run a batch padded up to its bucket, or return None when the batch
-does not qualify (a long row, more tokens than the largest bucket, a bucket whose
-capture failed): the caller then runs the eager model, which stays the reference.
-
-On the CPU each bucket compiles with `compile_env.CPU_OPTIONS`.
-
-Padding tokens write into a scratch slot, the last slot of the state, which no
-request owns. The state's bookkeeping (`ModelState.begin`) is done here for the real
-rows only, exactly as `forward_batch` does it.
-
-Compiled code lives in a private cache (`compile_env.private_cache_dir`), checked again
-before every bucket's compile (`recheck_cache_dir`): a failure there stops the capture and
-leaves the remaining buckets eager.
-On the CPU a bucket is first looked up as an AOTInductor package in `<cache>/aoti`
-(`dsv4.engine.artifacts`: the same step exported and compiled ahead of time, keyed by
-model, code, torch and CPU, loaded in milliseconds with the live weights); a missing one
-is built and saved, and a bucket whose export or package build fails is compiled with
-torch.compile as below (one warning line says why).
-
-`capture(progress=...)` reports (buckets done, buckets) as it goes (the CLI's progress
-bar: a cold capture takes minutes on a small CPU) and keeps torch's own deprecation
-chatter out of the user's terminal (`quiet_capture`).
+`CompiledSteps(model, state, max_tokens, with_mtp)` compiles the model's own `forward_batch`
+/ `mtp_forward` (fullgraph) on a static decode dispatch (`Batch.static_step`) for every
+bucket of token counts 1, 2, 4, ... up to `max_tokens` at startup (`capture(progress=...)`);
+there is no second implementation of any layer. Then `main(batch)` / `mtp(batch, hidden)`
+run a batch padded up to its bucket, or return None when it does not qualify (a long row,
+too many tokens, a failed bucket): the caller then runs the eager model, the reference.
+Padding tokens write into a scratch slot (the state's last, owned by no request); the
+state's bookkeeping is done for the real rows only. Compiled code lives in the private
+cache (`compile_env`); on the CPU a bucket is first looked up as an AOTInductor package
+(`artifacts`), a missing one built and saved, and one that fails to export or build is
+compiled with torch.compile. Details: docs/compile.md, 'dsv4/engine/compiled.py'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,14 @@
 """Choosing the MTP's drafts from its logits (docs/serving.md section 3, decode step).
 
-`propose` turns one MTP dispatch's logits into one draft per request:
-
-* greedy requests take the argmax, after the request's logit_bias and penalties when it has any (the
-  target's greedy choice is the argmax of its penalised logits: a draft that ignored a
-  repetition penalty of 1.1 was accepted 0.48 of the time on held-out text, 0.67 without it);
-* sampled requests draw from the MTP's own distribution q after the request's full
-  processing: logit_bias, penalties over the prompt, the output so far and the drafts before this one
-  (the history the target's row for the same position sees), then temperature, top-k,
-  top-p and min-p (`sampling.logits_to_probs`). Unseeded requests draw from the global RNG
-  (or `generator`) and keep q, which `sampling.verify_sampled` needs for rejection
-  sampling. Seeded requests draw with the keyed noise of the draft's sequence position
-  (`sampling.keyed_sample` on q): the target's token there is the keyed draw from p with
-  the same noise, so the draft equals it whenever p and q are close. Their acceptance
-  stays equality with the keyed draw, so their output never depends on the drafts.
-
-A row whose logits hold NaN or +inf, or no finite value, is drafted deterministically (the
-argmax of its finite logits, token 0 when there is none) with a one-hot q: rejection
-sampling is exact for any deterministic proposal, so a broken MTP row can lower
-acceptance but never change the output distribution.
+`propose` turns one MTP dispatch's logits into one draft per request. Greedy requests take
+the argmax after the request's logit_bias and penalties; sampled requests draw from the
+MTP's own distribution q after the request's full processing (`sampling.logits_to_probs`):
+unseeded ones from the global RNG (or `generator`), keeping q for rejection sampling
+(`sampling.verify_sampled`); seeded ones with the keyed noise of the draft's position
+(`sampling.keyed_sample`), so their output never depends on the drafts. A row whose logits
+hold NaN, +inf or no finite value is drafted deterministically (the argmax of its finite
+logits, else token 0) with a one-hot q: it can lower acceptance, never change the output
+distribution. Details: docs/serving.md, 'dsv4/engine/drafting.py'.
 """
 
 from __future__ import annotations

@@ -1,27 +1,16 @@
 """Structured outputs: a request's grammar (JSON schema, JSON object, regex, choice, EBNF or
 Lark) turned by llguidance into per-token masks, kept exact under MTP speculative decoding.
 
-* `check_spec(spec)`: the shape of `SamplingParams.structured` (one of `json_schema`,
-  `json_object`, `regex`, `choice`, `ebnf`; at most `MAX_SPEC_BYTES` of JSON), no llguidance needed.
-* `Grammars` (one per engine): `submit(spec)` compiles in the background (`grammar_compile`:
-  worker processes, a time budget, a cache), over llguidance's tokenizer of the vocabulary
-  (each id's bytes, `Tokenizer.token_bytes`; special added tokens, `<think>`, `</think>` and ids
-  past the tokenizer's vocabulary are never allowed, other added tokens such as V4's `｜DSML｜`
-  are their text), EOS as its stop token. `state(compiled, prompt_ids)` -> a `GrammarState`
-  (a copy of the compiled grammar's initial matcher: no grammar work on the engine's loop).
-* `GrammarState` (one per request, on rank 0): `masks(drafts)` gives the bitmask of every
-  verified row: row j's after accepting drafts 0..j-1 into the matcher, then rolled back;
-  a draft the grammar refuses leaves the rows after it unconstrained (verification stops
-  at it: its own row's mask forbids it). `commit(tokens)` accepts what the step emitted.
-  In thinking mode (the prompt ends in `<think>`) nothing is constrained until the model
-  has written `</think>`; the rows after it are.
-* `draft_masks(logits, heads, drafts)`: the MTP's logits masked the same way, each draft
-  after the drafts before it (better acceptance; exactness needs only the verify masks).
-* `apply_masks(logits, rows, bitmask)`: logits of the constrained rows set to -inf where
-  the mask forbids; any device.
+* `check_spec(spec)`: the shape of `SamplingParams.structured` (no llguidance needed).
+* `Grammars` (one per engine): `submit(spec)` compiles in the background (`grammar_compile`),
+  EOS as the stop token; `state(compiled, prompt_ids)` -> a `GrammarState` (no grammar work
+  on the engine's loop).
+* `GrammarState` (one per request, on rank 0): `masks(drafts)`, every verified row's bitmask
+  (row j's after drafts 0..j-1); `commit(tokens)`; nothing is constrained before `</think>`.
+* `draft_masks` (the MTP's logits masked the same way), `apply_masks` (-inf where forbidden).
 
-The grammar's only stop token is EOS: once the answer is complete only EOS is allowed, and
-the scheduler ends a constrained request at EOS even under `ignore_eos`.
+Once the answer is complete only EOS is allowed, and the scheduler ends a constrained
+request at EOS even under `ignore_eos`. Details: docs/serving.md, 'dsv4/engine/grammar.py'.
 """
 
 from __future__ import annotations
@@ -117,7 +106,7 @@ class Grammars:
     def _tokenizer_info(self) -> tuple[dict[str, Any], "Future"]:
         """The workers' vocabulary message and a Future of llguidance's tokenizer of it (built
         once, the message on the compile pool's thread, the tokenizer on a thread of its own:
-        ~4 s for V4's 129k ids)."""
+        seconds for V4's 129k ids, docs/serving.md, 'dsv4/engine/grammar.py')."""
         try:
             from .grammar_worker import tokenizer
             import llguidance  # noqa: F401
@@ -235,8 +224,8 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor
 
 def unpack(words: "torch.Tensor", v: int, *, numpy: bool = True) -> "torch.Tensor":
     """Bitmask rows [n, W] int32 (bit b of word w: token 32 w + b) -> allowed [n, v] bool, by
-    numpy's unpackbits (CPU: one pass; 0.2 ms a row of 129k) or through a byte table in torch
-    (any device: torch's table lookup took 5 ms for 3 rows on the CPU)."""
+    numpy's unpackbits (CPU: one pass, the faster) or through a byte table in torch (any
+    device; timings: docs/serving.md, 'dsv4/engine/grammar.py')."""
     import torch
 
     words = words.contiguous()

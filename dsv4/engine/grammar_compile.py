@@ -5,18 +5,12 @@
     fut.cancel()               # the client went away: the compile is dropped (its worker killed)
 
 One dispatcher thread owns the cache, the jobs and the lanes; `submit` and a cancel only put
-an event on its inbox, so no caller (the daemon's loop least of all) waits on a compile, a
-lookup or an eviction. Each worker is a process (`grammar_worker`) driven by a thread of
-its own: over the budget it is killed, not waited for, and started again for the next job.
-
-Lanes: a spec of at most SMALL_SPEC_BYTES goes to the small lane (one worker). Its worker
-translates it first (milliseconds) and sends a grammar that is not light (`grammar_worker.is_light`:
-long) on to the large lane unbuilt; a light one may compile for
-SMALL_SLICE_S, past which it too moves on (its worker killed and started again at once). So a
-small grammar waits only behind other light ones, never behind a schema that compiles for seconds.
-The large lane has `large_workers` processes (several where cores allow). Either lane holds
-at most MAX_QUEUED jobs (then `RequestBusy`). Identical specs in flight share one job; a
-compiled grammar is cached (LRU of CACHE_SIZE) and served without a worker.
+an event on its inbox, so no caller waits on a compile. Each worker is a process
+(`grammar_worker`), killed when over the budget. Two lanes: small, light specs never wait
+behind a schema that compiles for seconds in the large lane (`large_workers` processes).
+Each lane holds at most MAX_QUEUED jobs (then `RequestBusy`); identical specs in flight
+share one job; compiled grammars are cached (LRU of CACHE_SIZE).
+Details: docs/serving.md, 'dsv4/engine/grammar_compile.py'.
 """
 
 from __future__ import annotations

@@ -3,16 +3,14 @@ out (`grammar_compile.CompilePool` starts, feeds and kills it).
 
     python -m dsv4.engine.grammar_worker FD      # FD: its end of a socketpair
 
-Messages (pickled by `multiprocessing.connection`): first the vocabulary (`Grammars._tokenizer_info`'s
-dict: each id's bytes, the special ids, EOS, tokenizer.json's text; answered "ready" once its
-tokenizer is built); then ("compile", spec,
-light_only) -> ("ok", grammar), ("err", one line), or ("heavy", None) when `light_only` and
-the grammar is not light (`is_light`: the small lane sends it on to the large lane without
-building it). "Compiling" is: the spec translated to llguidance's grammar (`to_grammar`),
-validated against the vocabulary, and a matcher built and asked for its first mask, so that
-every cost of the grammar is paid here, within the pool's time budget (it kills the process),
-and a grammar that llguidance refuses (or that hits its parser limits) is a one-line error.
-The process exits when its parent's end closes.
+Messages (pickled by `multiprocessing.connection`): first the vocabulary (answered "ready"
+once its tokenizer is built); then ("compile", spec, light_only) -> ("ok", grammar),
+("err", one line), or ("heavy", None) when `light_only` and the grammar is not light
+(`is_light`). "Compiling" is: the spec translated (`to_grammar`), validated against the
+vocabulary, and a matcher built and asked for its first mask, so every cost of the grammar
+is paid here, within the pool's time budget, and a grammar llguidance refuses (or that hits
+its parser limits) is a one-line error. The process exits when its parent's end closes.
+Details: docs/serving.md, 'dsv4/engine/grammar_worker.py'.
 """
 
 from __future__ import annotations
@@ -94,8 +92,9 @@ def is_light(grammar: str) -> bool:
 
 
 def tokenizer(vocab: dict[str, Any]) -> Any:
-    """llguidance's tokenizer of `Grammars._tokenizer_info`'s message, ready for masks (~4 s for
-    V4's 129k ids, most of it the token trie its first matcher builds)."""
+    """llguidance's tokenizer of `Grammars._tokenizer_info`'s message, ready for masks (seconds
+    for V4's 129k ids, most of it the token trie its first matcher builds: docs/serving.md,
+    'dsv4/engine/grammar.py')."""
     import llguidance as llg
 
     from tokenizers import Tokenizer as HFTokenizer

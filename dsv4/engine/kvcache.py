@@ -1,23 +1,15 @@
 """Blocks of compressed state and the prefix cache: `BlockManager`, the one owner of block ids.
 
-The model keeps what only grows (compressed entries, indexer keys) in blocks of
-`block_size` positions from a pool (`model.state`); what slides (window rows, compressor
-carry) stays in per-slot rings. This module decides which block ids each request holds,
-on the host, and tells the runner through a `KVPlan` per step:
-
-* **on demand**: a request holds the blocks its positions reach (`grow`), taken from the
-  free list first, then by evicting the least recently used cached block;
-* **prefix caching**: every full block of a prefill is named by a hash chained over the
-  token ids of every block before it, from a root naming what else changes the state
-  (model, dtype, quantization, speculation); a finished prefill's blocks stay in the cache
-  (refcount 0, LRU) until their ids are needed. A request reuses the longest chain of
-  cached blocks that ends where rings were **saved** (`KVPlan.saves`: only at chosen
-  boundaries of a prefill, its last block boundary before its final token and every
-  `SAVE_EVERY` blocks before that; the sliding state lives in the rings, so its churn
-  never costs a cached block) and prefills only the rest; blocks are shared
-  (refcounted) and never written again, since a hit always resumes exactly at a boundary;
-* evicting a block drops its hash and any rings saved at its end (`KVPlan.drops`), so a
-  later lookup misses instead of reading stale state.
+The model keeps what only grows (compressed entries, indexer keys) in blocks of `block_size`
+positions from a pool (`model.state`); what slides stays in per-slot rings. This module
+decides which block ids each request holds, on the host, and tells the runner through a
+`KVPlan` per step: blocks are taken on demand (`grow`: the free list first, then the least
+recently used cached block); every full block of a prefill is named by a hash chained over
+the token ids before it (from a root naming model, dtype, quantization, speculation); a
+request reuses the longest chain of cached blocks that ends where rings were saved
+(`KVPlan.saves`) and prefills only the rest; shared blocks are refcounted and never written
+again; evicting a block drops its hash and the rings saved at its end (`KVPlan.drops`).
+Details: docs/state-layout.md, 'dsv4/engine/kvcache.py'.
 """
 
 from __future__ import annotations

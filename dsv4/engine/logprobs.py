@@ -1,24 +1,17 @@
 """Logprobs: of each output token (`SamplingParams.logprobs`) and of each prompt token
 (`SamplingParams.prompt_logprobs`, for `echo`), with the n most likely tokens at each position.
 
-What is reported:
-
 * output tokens: the log of the distribution the token was drawn from, after the request's
-  processing ("processed logprobs"): `logit_bias`, penalties, temperature, top-k, top-p and
-  min-p (`sampling.processed_logprobs`; removed tokens are -inf). Greedy requests
-  (temperature 0) report the log-softmax of the logits after `logit_bias` and penalties, at
-  temperature 1 and unmasked: the distribution greedy takes the argmax of. Under MTP
-  speculative decoding an accepted draft gets the logprob of the verify step's target row
-  at its position, and the correction or bonus token that of its own row: the same numbers
-  as a run without drafts, because the target's rows are (chunking and batching aside).
-* prompt tokens: the raw log-softmax of the model's logits at the position before each
-  token (no bias, penalty or temperature), as lm-eval's loglikelihood needs; the first
-  prompt token has none (logprob None, no top tokens). They need the head over every prompt row, so only requests that
-  ask pay for it (one [n, vocab] block per prefill chunk).
+  processing (`sampling.processed_logprobs`; removed tokens -inf; greedy: the log-softmax
+  after `logit_bias` and penalties). Under MTP an accepted draft gets its verify row's
+  logprob: the same numbers as a run without drafts.
+* prompt tokens: the raw log-softmax at the position before each token (lm-eval's
+  loglikelihood); the first has none. Only requests that ask pay for the head over every row.
 
-Requests that ask for neither cost nothing: no extra log-softmax, no extra host copy.
-`gather` turns rows of logprobs into `TokenLogprob`s (one host copy per tensor);
-`TokenTexts` names tokens for the wire (`entries`): text and UTF-8 bytes per id, cached.
+Requests that ask for neither cost nothing. `gather` turns rows of logprobs into
+`TokenLogprob`s (one host copy per tensor); `TokenTexts` names tokens for the wire
+(`entries`): text and UTF-8 bytes per id, cached. Details: docs/serving.md,
+'dsv4/engine/logprobs.py'.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
 """Ranks 1..T-1 of one host under tensor parallelism, and what they run.
 
-Rank 0 (the daemon, `run --local`, `LLM`) owns the scheduler. `Ranks.start(config)`
-spawns the other ranks (`torch.multiprocessing` spawn context; rank r on device r with
-`--device cuda`/`npu`, on CPU T processes over gloo) and joins the group itself. Every
-step, `Runner.execute` on rank 0 broadcasts the plan; each other rank rebuilds it on
-shadow requests and runs the same dispatches on its shard (`plan.follow`). Rank 0
-samples and broadcasts its choices (`Runner.execute`); the others send nothing but
-collectives. Joining the group installs the plan channel (`plan.use_channel`: shared
-memory on one host); leaving closes it, then the group.
-With auto K the plan carries the step's K (`SchedulerOutput.num_drafts`): the MTP backlog, pending
-rows and drafts of every rank then follow from the plan alone, so only rank 0 keeps a
-policy that chooses (the others calibrate with it, since the calibration's dispatches
-run collectives too).
-
-Several hosts (`--nnodes N --node-rank R --master-addr A --master-port P`): each host
-runs T / N ranks, the first of them the `dsv4 serve` process itself; node 0's is rank 0
-(scheduler, client socket), the others run `serve_node` and bind nothing.
-
-Under `torchrun` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set: the
-config's `launch`) every process already is one rank: nothing is spawned, each joins
-as RANK on device LOCAL_RANK through torchrun's rendezvous; RANK 0 runs the engine and
-the others run `serve_node` (the CLI calls it before anything else: `cli.options.torchrun_follower`).
-
-Failure: a rank that dies makes the next collective fail on the others (gloo: the
-connection closes; NCCL/HCCL: the group timeout); rank 0 also checks the workers'
-liveness before each step (`check`), and each worker exits when its pipe from rank 0
-closes (rank 0 gone). `close` sends the stop message, then terminates what is left.
+Rank 0 (the daemon, `run --local`, `LLM`) owns the scheduler. `Ranks.start(config)` spawns
+the other ranks (`torch.multiprocessing` spawn; rank r on device r, or T CPU processes over
+gloo) and joins the group itself. Every step rank 0 broadcasts the plan (`Runner.execute`);
+each other rank rebuilds it on shadow requests and runs the same dispatches on its shard
+(`plan.follow`), sending nothing but collectives. Joining installs the plan channel
+(`plan.use_channel`); leaving closes it, then the group. With auto K only rank 0 chooses.
+Several hosts (`--nnodes`, `--node-rank`, ...) and `torchrun` (every process already one
+rank; RANK 0 runs the engine, the others `serve_node`) form the same group differently.
+Failure: a dead rank makes the next collective fail on the others; rank 0 also checks the
+workers' liveness before each step (`check`), and a worker exits when its pipe from rank 0
+closes. `close` sends the stop message, then terminates what is left.
+Details: docs/distributed.md, 'dsv4/engine/ranks.py'.
 """
 
 from __future__ import annotations

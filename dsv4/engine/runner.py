@@ -1,45 +1,17 @@
 """The model runner: the only engine code that builds tensors.
 
-One `execute(plan)` call runs a scheduler step:
+`execute(plan)` runs one scheduler step: (1) one batched dispatch of the main model over
+every prefill chunk and decode row `[x_last, d_1..d_k]`; (2) first tokens, verification of
+drafts and logprobs (`verify.py`), then rollback of the rejected positions; (3) the MTP
+drafter over the newly completed pairs (h_t, x_{t+1}), then K-1 recurrent dispatches for
+deeper drafts (`drafting.propose`). The plan's `num_drafts` (auto K) says how many; at 0 the
+MTP is skipped and its pairs wait in a backlog it later catches up over. With `--compile`
+short dispatches run through `compiled.CompiledSteps`; with a `BlockManager` the step's
+`KVPlan` sets block tables and loads or saves rings.
 
-1. one batched dispatch of the main model over every prefill chunk and every decode
-   row `[x_last, d_1..d_k]` of the step;
-2. sampling of first tokens (last prefill chunk) and verification of drafts (equality
-   with the target's argmax or, for seeded requests, its keyed draw; rejection sampling
-   against the draft distribution q for unseeded sampled ones), then rollback of the
-   rejected positions (`verify.py`, which also takes the logprobs of requests that ask);
-   a prefill chunk of a request asking for prompt logprobs gets the head over all its
-   rows (`logit_idx`), gathered per slot until its last chunk (`_choose`);
-3. the MTP drafter over the newly completed pairs (h_t, x_{t+1}) of every
-   speculative request, in one dispatch, then K-1 recurrent dispatches for deeper
-   drafts (each chosen by `drafting.propose`: the argmax for greedy requests, a draw from
-   the MTP's processed distribution for sampled ones; under tensor parallelism rank 0's
-   choices feed the deeper dispatches when the step has sampled requests, or constrained
-   ones: their drafts are masked by their grammar, `grammar.draft_masks`). During
-   prefill, pairs use the next *prompt* token; the last row of a
-   non-final chunk is the pending row, kept until the next chunk (or the first
-   sampled token) completes it. Drafts written into the MTP cache past the
-   committed pairs are rolled back before the next step.
-
-With `--num-speculative-tokens auto` a `SpecPolicy` chooses each plan's `num_drafts`, the
-drafts to make this step (0..K; the scheduler asks it), and the runner times its dispatches for it. A request drafting 0
-tokens skips the MTP: its pairs wait in a backlog (the last `sliding_window` of them;
-the MTP block is window-only, so older ones are never read again), and the MTP catches
-up over the backlog the next time the request drafts, which gives the same drafts as if
-it had never stopped (tested).
-
-With `--compile` the decode dispatch of a step without prefill chunks, and every MTP
-dispatch of short rows, run through the captured buckets of `compiled.CompiledSteps`
-(None returned: eager).
-
-With a `BlockManager` (the engine's) the step's `KVPlan` comes along: block tables to
-set, and rings to load (a prefix-cache hit, before the dispatch) or save (a prefill
-chunk ending at its save point, after the MTP): the state's rings with the pending
-hidden row and the MTP backlog, so a hit resumes exactly where that prefill was.
-
-The runner owns the model's `ModelState` plus, per slot, the pending hidden row and
-the current drafts and the MTP backlog, and the saved rings by key. The scheduler owns
-lengths, token lists and block ids.
+The runner owns the model's `ModelState` plus, per slot, the pending hidden row, the current
+drafts, the MTP backlog, and the saved rings by key. The scheduler owns lengths, token lists
+and block ids. Details: docs/serving.md, 'dsv4/engine/runner.py'.
 """
 
 from __future__ import annotations

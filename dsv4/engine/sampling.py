@@ -2,22 +2,15 @@
 
 * `SamplingParams` (`params.py`, re-exported): what a request asks for, validated.
 * `adjust_logits`: `logit_bias`, then the penalties (`apply_penalties`), as vLLM orders them.
-* `logits_to_probs`: temperature, top-k, top-p and min-p for a batch of rows at once.
-  Rows with temperature 0 become one-hot at the argmax. `processed_logprobs`: the log of
-  that distribution (greedy rows: the log-softmax of their adjusted logits).
-* `keyed_sample`: a seeded request's token at sequence position n is drawn with noise keyed
-  by (seed, n) alone (counter-based, like JAX's or Philox's keys), so its output is a function
-  of its prompt, parameters and seed: not of the batch, the chunking, K (speculation verifies
-  drafts against these keyed draws) or the tensor-parallel size. `sample`: rows without a
-  seed, from the global RNG.
+* `logits_to_probs`: temperature, top-k, top-p and min-p for a batch of rows at once
+  (temperature 0: one-hot at the argmax); `processed_logprobs`: the log of that distribution.
+* `keyed_sample`: a seeded request's token at position n is drawn with noise keyed by
+  (seed, n) alone, so its output depends on prompt, parameters and seed only: not on the
+  batch, the chunking, K or the tensor-parallel size. `sample`: unseeded rows, global RNG.
 * `verify_greedy` / `verify_sampled`: speculative verification of K drafts against the
-  target's K+1 rows (docs/serving.md section 3). `verify_sampled` is standard rejection
-  sampling: accept d_i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection
-  sample from normalize(max(0, p_i - q_i)); if all K are accepted, sample the bonus token
-  from p_K. The emitted tokens are then distributed exactly as the target's, whenever each
-  d_i was drawn from q_i (given the drafts before it); a row of q that cannot have produced
-  its draft (no mass there, or not a distribution) is read as one-hot at the draft, which is
-  exact for a deterministic proposal. The drafts themselves come from `drafting.propose`.
+  target's K+1 rows (docs/serving.md section 3); `verify_sampled` is standard rejection
+  sampling, exact whenever each d_i was drawn from q_i (a row of q that cannot have produced
+  its draft is read as one-hot at it). Details: docs/serving.md, 'dsv4/engine/sampling.py'.
 """
 
 from __future__ import annotations

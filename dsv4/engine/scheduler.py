@@ -1,54 +1,17 @@
 """The scheduler: which requests run in the next step, and how many tokens each; pure Python.
 
-Call protocol (one engine step):
+One engine step: `out = scheduler.schedule()` (admit, then plan); the runner runs
+`out.prefills` and `out.decodes` in one dispatch; then `on_prefill_done(req, n, first_token
+or None)` per prefill entry and `on_decode_done(req, emitted)` per decode entry (both return
+the tokens actually appended, cut at EOS / stop ids / max_tokens / max_model_len; the
+request may then be FINISHED, its slot free). `finish(req, reason)` and `abort(request_id)`
+end a request early.
 
-    out = scheduler.schedule()                 # admit, then plan this step
-    ... runner runs out.prefills and out.decodes in one dispatch, sampler/verifier pick tokens ...
-    for req, start, n in out.prefills:
-        scheduler.on_prefill_done(req, n, first_token if start + n == req.num_prompt_tokens else None)
-    for req, num_tokens in out.decodes:
-        scheduler.on_decode_done(req, emitted)  # 1 + accepted drafts tokens, at most num_tokens
-    # both return the tokens actually appended (cut at EOS / stop ids / max_tokens /
-    # max_model_len); the request may now be FINISHED and its slot free.
-    scheduler.finish(req, "stop")              # e.g. the engine matched a stop string
-    scheduler.abort(request_id)                # the client went away
-
-A prefill entry `(req, start, n)` is the prompt chunk [start, start+n); `start == 0`
-means the slot was just (re)assigned and its state must be reset. A decode entry
-`(req, num_tokens)` feeds `[x_last, d_1 .. d_{num_tokens-1}]` at positions starting
-at `req.num_computed_tokens`. Rows are classified by request state, never by length: a
-1-token tail chunk is still a prefill.
-
-Policy.
-* Admission: while a slot (0..max_num_seqs-1) is free, the waiting request admitted
-  next is the oldest one of the client (`Request.client`) holding the fewest slots,
-  ties going to the oldest request: fair shares between clients, first come first
-  served within one (and overall when all requests have one client). One client's
-  flood of requests therefore waits behind another client's single request instead of
-  the other way round, and nothing starves: a waiting request's client holds fewer and
-  fewer slots as its running requests finish, until it holds none and only older
-  requests go first. A slot is freed the moment its request finishes or is aborted.
-* Chunks: `n = min(tokens left, chunk_size, budget left)`, one chunk per request per
-  step, prefills in admission order. In single-dispatch mode a prompt goes whole or
-  waits; a prompt that does not fit the budget left also blocks those behind it, so a
-  long prompt is never overtaken forever by short ones.
-* Decodes: least recently served first, each with all its drafts (`num_spec`, capped by
-  the room before max_model_len and max_tokens) or, if that does not fit the budget left,
-  not at all this step. The draft count of a request never depends on the others.
-* Blocks (with a `BlockManager`): admission also needs the blocks of the whole prefill
-  (less a prefix-cache hit, which starts the request at its cached length), and each
-  step's rows grow their request's blocks on demand. When none are left, the newest
-  request admitted after the one that needs them is preempted: its blocks are released
-  and it waits at the head of the queue to be recomputed (prompt plus the outputs it had
-  made, a prefix-cache hit where one is left; its output is the same as if it had never
-  stopped). A request that finds no newer one to preempt waits a step. Prefill chunks
-  stop at the prefix cache's save point, so its rings are saved at a block boundary.
-* No starvation: decodes normally go first (steady TPOT). If in the last step some
-  request was waiting to prefill and got nothing, prefills go first in this step. So
-  a prefill is served at least every other step, and since a prefill-first step always
-  serves a prefill, the next step is decode-first again: decodes also run at least every
-  other step. Progress on the favoured side is guaranteed because the budget is at least
-  1 + K (one decode) and, in single-dispatch mode, at least the longest allowed prompt.
+A prefill entry `(req, start, n)` is the prompt chunk [start, start+n) (`start == 0`: the
+slot was just (re)assigned, its state must be reset); a decode entry `(req, num_tokens)`
+feeds `[x_last, d_1 .. d_{num_tokens-1}]` from `req.num_computed_tokens`. Rows are
+classified by request state, never by length. The policy (fair admission between clients,
+chunks, decodes, blocks and preemption, no starvation): docs/serving.md, 'dsv4/engine/scheduler.py'.
 """
 
 from __future__ import annotations

@@ -1,48 +1,17 @@
 """`--num-speculative-tokens auto`: which K (0..max) the next step drafts; pure Python.
 
-Speculation pays when the tokens a step emits grow faster than the step's cost. For a
-batch of B decoding requests drafting K tokens each, with per-depth acceptance
-probabilities a_1..a_K (a_i: draft i is accepted given drafts 1..i-1 were),
+For B decoding requests drafting K each, with per-depth acceptance a_i: tokens per step
+E_K = B * (1 + a_1 + a_1 a_2 + ... + a_1 ... a_K), cost per step C_K = verify(B(1+K)) +
+verify_host(B(1+K)) + draft(B, K) + overhead. Each cost is a `CostTable`: a shape from the
+startup calibration (`calibration.py`) times a level that every timed step moves.
+`choose(B)` returns the K with the highest E_K / C_K, keeping the current K unless another
+is better by `hysteresis`. Restarting drafts after K = 0 costs the MTP's catch-up over its
+backlog, spread over `horizon` steps. Probes (K - 1 or K + 1 for `probe_steps` steps after
+`probe_interval`) keep acceptance and the cost shape measured; acceptance starts from
+priors weighed as `prior_weight` drafts per depth.
 
-    tokens per step   E_K = B * (1 + a_1 + a_1 a_2 + ... + a_1 ... a_K)
-    cost per step     C_K = verify(B * (1 + K)) + verify_host(B * (1 + K)) + draft(B, K) + overhead
-    throughput        E_K / C_K
-
-`verify(T)` is the measured cost of a main-model dispatch of T decode tokens,
-`verify_host(T)` that of choosing tokens from its T rows (processing, sampling,
-verification), `draft(B, K)` that of the MTP: one dispatch over about B * E_K / B accepted
-rows, then K - 1 over B rows, each followed by `draft_host(B)` (proposing a draft per
-row), plus `draft_extra`, its bookkeeping around them; `overhead` is the rest of an engine
-step. The host parts are tables of their own because they grow with the rows in their own
-way and with the requests' sampling parameters, which the dispatches do not see. Each cost
-table is a level times a shape (`CostTable`): the startup calibration (`calibration.py`)
-gives the shape (how the cost grows with the count), every timed step moves the level,
-whatever its count, and timings of two counts close together (a K switch, a probe)
-correct the shape. So every K is compared at today's level: per-count averages left the K
-not in use at stale, calibrated costs, and auto flapped to them. Acceptance follows the
-verified drafts.
-`choose(B)` returns the K with the highest throughput, keeping the current K unless
-another is better by `hysteresis`, so noise does not make it flap.
-
-Restarting drafts after steps at K = 0 first runs the MTP over the pairs it skipped (the
-runner's backlog, `backlog_rows`, at most a window per request): that catch-up is counted
-as a cost spread over `horizon` steps of the new K, so short gains do not pay for it.
-
-After `probe_interval` steps at one K (`first_probe` the first time) the policy drafts
-with K - 1 or K + 1, in turn, for `probe_steps` steps (under 2% of steps): at K = 0
-nothing else measures acceptance, and at any K the probe's timings next to the usual ones
-correct the cost shape (above). The first probe waits 64 steps: with the calibration
-timing what serving runs (a window of context, the host work apart), a probe at step 16
-only cost a 64-token request 2-4% (4 steps at the worse K, then the MTP's catch-up).
-
-Greedy and sampled drafts each start from their own measured acceptance (the priors below),
-weighed as `prior_weight` verified drafts per depth: enough that a fresh engine's first
-few rejections (a request's acceptance swings 0.55-0.88 around 0.70 over 64 tokens) do not
-throw it to K = 0, where nothing measures acceptance until a probe; few enough that one
-long request's drafts outweigh it.
-
-Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling
-keeps the sampled distribution for any K.
+Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling keeps
+the sampled distribution for any K. Details: docs/serving.md, 'dsv4/engine/spec_policy.py'.
 """
 
 from __future__ import annotations

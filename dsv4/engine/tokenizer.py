@@ -1,22 +1,17 @@
 """Tokenizer: text <-> token ids, DeepSeek V4 prompt building, streaming detokenisation.
 
 Contract:
-- `Tokenizer.from_dir(path)` loads `tokenizer.json` (+ optional `tokenizer_config.json`)
-  with the `tokenizers` library. BOS/EOS come from the config's `bos_token`/`eos_token`,
-  else from the DeepSeek names `<｜begin▁of▁sentence｜>` / `<｜end▁of▁sentence｜>`.
-- `encode(text)` treats text as plain text: a special-token string inside it (for example
-  `<｜User｜>`) is tokenised as ordinary characters, never mapped to the special id.
+- `Tokenizer.from_dir(path)` loads `tokenizer.json` (+ optional `tokenizer_config.json`);
+  BOS/EOS come from the config, else from DeepSeek's names.
+- `encode(text)` treats text as plain text: a special-token string inside it is tokenised as
+  ordinary characters, never mapped to the special id.
 - `encode_chat(messages, ...)` renders a conversation in DeepSeek V4's encoding
-  (`dsv4.agents.encoding`: tools, tool calls, tool results, reasoning effort) as ids:
-  special tokens by id, texts encoded as plain text, so no content can inject them.
-  `encode_prompt(text, mode=...)` builds the single-turn chat prompt
-  `BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> | </think>)` through it.
-  A raw prompt starts with BOS only where the tokenizer says so (`Tokenizer.add_bos`):
-  `add_bos_token` in tokenizer_config.json, else whether tokenizer.json's post-processor
-  adds it (what transformers' `AutoTokenizer` does with such a file), else not.
-  The chat template always starts with BOS, as DeepSeek's encoding does.
+  (`dsv4.agents.encoding`) as ids, special tokens by id, so no content can inject them;
+  `encode_prompt(text, mode=...)` builds the single-turn chat prompt through it. A raw
+  prompt starts with BOS only where the tokenizer says so (`Tokenizer.add_bos`).
 - `IncrementalDetokenizer.push(id)` returns only completed text (never half of a UTF-8
   character); all pushes plus `flush()` equal `Tokenizer.decode(all_ids)` exactly.
+Details: docs/serving.md, 'dsv4/engine/tokenizer.py'.
 """
 
 from __future__ import annotations

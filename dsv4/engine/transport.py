@@ -1,23 +1,14 @@
 """How rank 0's per-step messages (the plan, then the sampled results) reach the other ranks.
 
-Two transports behind `plan.broadcast`:
-
-* "object": `torch.distributed.broadcast_object_list` (pickle; a size broadcast, then a
-  byte broadcast through the group). Works across hosts.
-* "shm" (one host only): `ShmChannel`. Rank 0 pickles the message into a shared-memory
-  buffer and broadcasts only an int64 header [sequence number, byte count] through the
-  group; the other ranks copy the bytes out and acknowledge the sequence number in the
-  buffer's ack slots. Rank 0 writes the next message only once every rank acknowledged
-  the previous one, so a slow rank never reads a half-overwritten message. A message
-  larger than the buffer goes through the group after the header (negative count), so
-  no size can overflow it; a header out of sequence or bytes that do not unpickle raise
-  `TransportError` (one line) instead of running a wrong step.
-
-The buffer is a file in /dev/shm that rank 0 unlinks as soon as every rank has mapped
-it, so no exit path (an exception, SIGKILL, a dead rank) leaves anything behind; only a
-crash during the setup's few milliseconds could, and then rank 0's `finally` removes it.
-
-`benchmarks/parallel.py --transports object,shm` measures both in one run (BENCHMARKS.md).
+Two transports behind `plan.broadcast`: "object" (`torch.distributed.broadcast_object_list`,
+pickle through the group; works across hosts) and "shm" (`ShmChannel`, one host only: rank 0
+pickles the message into a shared-memory buffer and broadcasts only an int64 header
+[sequence number, byte count]; the other ranks copy the bytes out and acknowledge, and rank
+0 writes the next message only once every rank acknowledged the previous one). A message
+larger than the buffer goes through the group; a header out of sequence or bytes that do
+not unpickle raise `TransportError`. The buffer's /dev/shm file is unlinked as soon as
+every rank has mapped it. `benchmarks/parallel.py --transports object,shm` measures both
+(BENCHMARKS.md). Details: docs/distributed.md, 'dsv4/engine/transport.py'.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """One step's token choices from the main model's logits: first tokens of finished prefills,
 verification of drafts, and the logprobs of what was chosen (for requests that ask).
 
-`sample_verify(samples, logits, draft_q)` takes the step's sample rows (a finished
-prefill's last row; a decode's 1 + K verify rows) and returns a `StepResult` per slot.
-The target distribution of every row is the request's processing of its logits
-(`sampling.adjust_logits`: logit_bias then penalties counting the drafts before the row;
-then temperature, top-k, top-p, min-p), so verification accepts exactly what a run without
-drafts would emit: greedy and seeded rows accept the drafts equal to the target's own
-choice (its argmax, or its keyed draw: `keyed_sample`), so their output does not depend
-on K; unseeded sampled rows use rejection sampling (`verify_sampled`).
-
-Structured outputs (`grammar.py`): the rows of a request with a grammar are masked first
-(-inf where the grammar forbids), row j with the matcher advanced over drafts 0..j-1, so a
-draft the grammar forbids has target probability 0 and is rejected, and what is accepted is
-what a run without drafts would emit; the matcher then takes the emitted tokens. Requests
-without one cost nothing.
-
-Logprobs (`logprobs.py`): token j of a result comes from row j of its request's rows,
-so its logprob is that row's processed log-probability at it, whether it was an accepted
-draft, a correction or a bonus token.
+`sample_verify(samples, logits, draft_q)` takes the step's sample rows (a finished prefill's
+last row; a decode's 1 + K verify rows) and returns a `StepResult` per slot. Every row's
+target distribution is the request's processing of its logits (`sampling.adjust_logits`,
+penalties counting the drafts before the row; then temperature, top-k, top-p, min-p), so
+verification accepts exactly what a run without drafts would emit: greedy and seeded rows
+accept the drafts equal to the target's own choice (argmax or keyed draw), unseeded sampled
+rows use rejection sampling (`verify_sampled`). Rows with a grammar are masked first
+(`grammar.py`), so a draft it forbids is rejected. Token j's logprob comes from row j.
+Details: docs/serving.md, 'dsv4/engine/verify.py'.
 """
 
 from __future__ import annotations

@@ -2,30 +2,14 @@
 /health, /metrics, and vLLM's /tokenize and /detokenize; and the chat page at / (`dsv4.http.page`).
 What clients may rely on is in docs/http-api.md.
 
-Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge`
-(one DEALER for the whole app); the reply queue is read until the final message.
-
-* Errors: OpenAI's shape `{"error": {message, type, param, code}}`; 400 for bad bodies and
-  parameters (the daemon's `SamplingParams.validate` message, fields dsv4 does not honour,
-  a `max_tokens` that does not fit in --max-model-len after the prompt, as vLLM does),
-  401 for a wrong key, 404 for unknown models and routes, 413 for bodies over
-  MAX_BODY_BYTES and prompts over the daemon's message limit, 400 for more prompts than
-  --max-prompts-per-request, 503 when the daemon does not answer a new request or its
-  queue is full (`dsv4.http.submit`). Each request counts for a client (its `user`, else
-  its peer address) in the engine's fair shares of slots.
-* Streams start with their first text (so a request that fails before it still gets its
-  HTTP status). A stream that fails after that ends with `data: {"error": ...}` and no
-  `data: [DONE]`: the `openai` client raises `APIError` on that event, and a client that
-  waits for `[DONE]` sees the stream cut, never a clean end to a partial answer.
-* A request in flight waits for the daemon however long its steps take: only the daemon
-  ends it (its final reply, an error, or the abort it sends when it stops), never a missed
-  heartbeat (`Bridge.alive` only gates new requests and /health). A client that
-  disconnects cancels its requests (the generator's `finally`, or the disconnect watch of
-  non-streaming requests).
-* Thinking mode: text before `</think>` is `reasoning_content`, the rest `content`.
-* /tokenize answers `{count, max_model_len, tokens, token_strs}` with exactly the ids a chat
-  (`messages`) or completion (`prompt`) request would send; /detokenize `{prompt}`. Both
-  tokenize on a worker thread (a body may hold 8 MiB of text) and need the key like /v1/*.
+Each HTTP request becomes one daemon `generate` per prompt, sent through the `Bridge` (one
+DEALER for the whole app); the reply queue is read until the final message. Errors take
+OpenAI's shape `{"error": {message, type, param, code}}` (400, 401, 404, 413, 503, ...).
+Streams start with their first text; one that fails later ends with `data: {"error": ...}`
+and no `data: [DONE]`. A request in flight waits for the daemon however long its steps take
+(never failed for a missed heartbeat); a client that disconnects cancels its requests.
+Thinking mode: text before `</think>` is `reasoning_content`, the rest `content`.
+Details (each status, streams, /tokenize): docs/http-api.md, 'dsv4/http/app.py'.
 """
 
 from __future__ import annotations

@@ -5,26 +5,12 @@
     rid, q = await bridge.generate(prompt, params, ...)  # q: an asyncio.Queue of delta/final/error messages
     bridge.cancel(rid)                           # fire and forget (safe in a `finally`), never lost
 
-Only the event loop's thread touches the socket. The reader task drains the socket all the
-time and puts each reply on its request's unbounded queue, so a slow HTTP client only
-grows its own queue: the daemon (and every other request) never waits for it.
-
-Sending: every message is checked against the daemon's message limit (its pong's
-`max_message_bytes`, set by --max-model-len) before it goes: `MessageTooLarge` (413), not
-a daemon error that could not name the request. The send queue holds SEND_HWM messages
-(plus the daemon's receive queue); when it is full a generate waits for room up to
-SEND_WAIT_S and then fails with `DaemonBusy` (503), a status call within its timeout, a
-ping is skipped (the next one follows), and a cancel waits in pyzmq's send queue for as
-long as it takes: a cancel is never lost, so no request keeps running for nobody.
-
-Liveness: a DEALER queues silently while nobody answers, so the heartbeat task pings
-(every second, or a quarter of the window) and `alive` says whether the daemon answered
-within the window. The daemon answers pings during engine steps too (its step watch,
-`dsv4.daemon.watch`), so a slow step does not make it look dead. `alive` decides only
-whether a *new* request is sent (503 otherwise: the model is loading, or the daemon stopped)
-and what /health says; a request in flight is never failed for a missed pong, because the
-daemon ends every request it accepted (final, error, or an abort when it stops) and
-`close()` ends the rest. The window is ALIVE_WINDOW_S, or $DSV4_TEST_ALIVE_WINDOW_S in tests.
+Only the event loop's thread touches the socket; the reader task puts each reply on its
+request's unbounded queue, so a slow HTTP client only grows its own. Every message is
+checked against the daemon's message limit before it goes (`MessageTooLarge`, 413); a full
+send queue makes a generate fail after SEND_WAIT_S (`DaemonBusy`, 503), never a cancel.
+`alive` (a pong within ALIVE_WINDOW_S) gates only new requests and /health: a request in
+flight is never failed for a missed pong. Details: docs/http-api.md, 'dsv4/http/bridge.py'.
 """
 
 from __future__ import annotations

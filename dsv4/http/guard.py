@@ -1,24 +1,13 @@
 """What a request must pass before the API sees it: Host, Origin, Content-Type, and a JSON body it can hold.
 
-A keyless server on loopback is reachable from every web page the user's browser opens:
-a page may POST to http://127.0.0.1:PORT (a "simple" cross-origin request, no preflight,
-when its Content-Type is text/plain), or rebind its own DNS name to 127.0.0.1 and read
-the answers as same-origin. `HostOriginGuard` (pure ASGI middleware) stops both:
-
-* Host: for a loopback bind, only loopback names and addresses (localhost, 127.0.0.0/8,
-  ::1) or a name in --allowed-hosts; a rebinding page's Host is its own name. Other binds
-  need --api-key, and check Host only when --allowed-hosts is given. Else 400.
-* Origin: a browser's cross-origin request carries one; it must be this server's own
-  origin (http://HOST, HOST the checked Host) or listed in --allowed-origins ('*': any),
-  else 403. Allowed origins get CORS headers, and their preflight (OPTIONS) an answer.
-* Content-Type: a POST body must be application/json (415 otherwise), which a page can
-  send cross-origin only after a preflight the server refuses.
-* An exception the API did not expect is answered 500 in OpenAI's shape (the app's
-  handler) and logged here in one line (the traceback with DSV4_DEBUG=1).
-
-`decode_json` turns a body into Python values only if every later stage can take them:
-nesting at most MAX_DEPTH deep, integers within 64 bits, no NaN or Infinity, strings
-that are valid Unicode (no lone surrogates); anything else is a 400 naming what it got.
+`HostOriginGuard` (pure ASGI middleware) keeps web pages from driving a keyless loopback
+server (a cross-origin POST, or DNS rebinding): Host must be loopback or in
+--allowed-hosts for a loopback bind (400), Origin must be this server's own or in
+--allowed-origins (403; allowed origins get CORS), a POST body must be application/json
+(415); an unexpected exception is a 500 in OpenAI's shape, logged in one line.
+`decode_json` turns a body into Python values only if every later stage can take them
+(nesting at most MAX_DEPTH, 64-bit integers, no NaN or Infinity, valid Unicode), else a
+400 naming what it got. Details: docs/security.md, 'dsv4/http/guard.py'.
 """
 
 from __future__ import annotations

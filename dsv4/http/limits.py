@@ -1,20 +1,13 @@
 """Connection limits of the HTTP front end, so that no number of clients can use up the daemon's descriptors.
 
 The HTTP server shares its process with the daemon's ZeroMQ socket, and libzmq aborts the
-whole process when it cannot get a descriptor for a new connection. So HTTP connections
-get a fixed share of the descriptor limit (`http_budget`), and `GuardedH11Protocol`:
-
-* refuses a connection beyond that share at once (a 503 in OpenAI's error shape, then
-  closes it), so at most `limit` connections plus one accept burst (`backlog`, the most
-  asyncio accepts before any of them is seen) are ever open; `LimitedServer` lets the
-  kernel queue more (LISTEN_QUEUE) without descriptors;
-* closes a connection whose request head does not arrive within `header_timeout_s` of
-  the connection or of the previous response (slowloris: partial headers sent slowly,
-  or nothing at all); uvicorn closes keep-alive connections idle for KEEP_ALIVE_S, and
-  h11 refuses request heads over MAX_HEADER_BYTES.
-
-uvicorn's own `limit_concurrency` answers 503 only once a request arrives, on a
-connection it already accepted and keeps; hence this protocol class.
+whole process when it cannot get a descriptor for a new connection. So HTTP connections get
+a fixed share of the descriptor limit (`http_budget`), and `GuardedH11Protocol` refuses a
+connection beyond it at once (a 503, then close; `LimitedServer` lets the kernel queue more,
+LISTEN_QUEUE, without descriptors) and closes one whose request head does not arrive within
+`header_timeout_s` (slowloris). uvicorn's own `limit_concurrency` answers 503 only once a
+request arrives, on a connection it already accepted and keeps; hence this protocol class.
+Details: docs/http-api.md, 'dsv4/http/limits.py'.
 """
 
 from __future__ import annotations

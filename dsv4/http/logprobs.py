@@ -1,21 +1,16 @@
 """The daemon's logprobs (`delta.logprobs`, `delta.prompt_logprobs`: `dsv4.engine.logprobs`) in
 OpenAI's reply shapes.
 
-* chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs: [{token,
-  logprob, bytes}]}], "refusal": null}`, one entry per generated token (reasoning tokens
-  included), in the chunk that carries the token's text or a later one;
-* completions: `choices[i].logprobs = {tokens, token_logprobs, top_logprobs: [{token:
-  logprob}], text_offset}`; `top_logprobs` holds the n most likely tokens and always the
-  chosen one (so n + 1 entries at most, as OpenAI documents); with `echo` the prompt's
-  tokens come first, the first one with null logprob and top_logprobs. `text_offset` counts
-  characters from the start of the choice's text and continues across stream chunks.
+* chat: `choices[i].logprobs = {"content": [{token, logprob, bytes, top_logprobs}], ...}`,
+  one entry per generated token (reasoning tokens included);
+* completions: `choices[i].logprobs = {tokens, token_logprobs, top_logprobs, text_offset}`
+  (`top_logprobs`: the n most likely and always the chosen one; with `echo` the prompt's
+  tokens first; `text_offset` counts characters across stream chunks);
+* vLLM's `prompt_logprobs` (`prompt_logprobs_of`, `vllm_prompt`): per prompt position null
+  (the first) or {token id: {logprob, rank, decoded_token}}, the raw log-softmax.
 
-* vLLM's `prompt_logprobs` (completions and chat, `prompt_logprobs_of`): per prompt position
-  null (the first) or {token id: {logprob, rank, decoded_token}} holding the prompt's token
-  and the n most likely there (`vllm_prompt`), the raw log-softmax of the model.
-
-A logprob of -inf (a token the request's top-k / top-p removed; nil on the wire) is
-reported as -9999.0, as vLLM does: JSON has no infinity.
+A logprob of -inf (nil on the wire) is reported as -9999.0, as vLLM does: JSON has no
+infinity. Details: docs/http-api.md, 'dsv4/http/logprobs.py'.
 """
 
 from __future__ import annotations

@@ -1,34 +1,16 @@
 """OpenAI request bodies -> daemon requests (prompts, sampling parameters, prompt mode).
 
 `parse_completion(body)` and `parse_chat(body, tokenizer)` check the shapes the OpenAI API
-defines and raise `ApiError` (status, one-line message, offending field) for anything
-this server cannot honour. They translate fields into `SamplingParams` fields; value ranges
-are `SamplingParams`' to check (when the daemon builds it; its error becomes a 400 too),
-except OpenAI's own bounds on fields renamed or reshaped on the way (`top_logprobs` ->
-`logprobs`, completions' `logprobs` 0..5, `logit_bias` keys as JSON strings, `echo` with
-`max_tokens: 0`), checked here so that the error names the field the client sent.
-
-Nothing is silently ignored: an OpenAI field (or a well-known vLLM extension) that would
-change the answer and that dsv4 does not implement gets a 400 naming it (`REFUSED`),
-unless its value changes nothing (`n: 1`, ...).
-Honoured: structured outputs (`response_format` json_object / json_schema, vLLM's
-`structured_outputs` and `guided_*`: `dsv4.http.structured`; after `</think>` in thinking
-mode), `logprobs` / `top_logprobs` (chat, 0..20), integer `logprobs` (completions, 0..5) and
-`echo` (completions: the prompt's logprobs too, from the engine's `prompt_logprobs`;
-`max_tokens: 0` only with it), `logit_bias` (both; token id strings -> [-100, 100]); the reply
-shapes are `dsv4.http.logprobs`'. Fields that never change the answer (`user`, `metadata`,
-`safety_identifier`, `prompt_cache_key`, `parallel_tool_calls` without tools) and unknown vendor fields are ignored, as OpenAI ignores what it does not know.
-
-Chat prompts: with a tokenizer that has DeepSeek's chat tokens the whole conversation is
-rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`), with `tools`,
-`tool_choice` ("none" renders no tools), `reasoning_effort` and assistant `tool_calls` /
-`reasoning_content` and `tool` messages; thinking mode from `thinking: {type: enabled |
-disabled}`, `chat_template_kwargs.thinking` / `enable_thinking`, or `reasoning_effort` (any
-effort but "none" turns it on unless a switch says otherwise). `tool_choice` "required" or a
-named function force a DSML call by a grammar (`dsv4.http.toolgrammar`). A model
-without the chat tokens (the embedded Shakespeare model) continues the messages' text, one
-per line, and refuses the agent fields. `parse_tokenize` gives POST /tokenize exactly the
-ids a chat (or completion) request would use.
+defines and raise `ApiError` (status, one-line message, offending field) for anything this
+server cannot honour; value ranges are `SamplingParams`' to check, except OpenAI's own bounds
+on fields renamed on the way, checked here so the error names the field the client sent.
+Nothing is silently ignored: a field that would change the answer and that dsv4 does not
+implement gets a 400 naming it (`REFUSED`); fields that never change it are ignored.
+Chat prompts are rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.encoding`)
+when the tokenizer has its chat tokens (tools, `tool_choice`, reasoning, thinking mode);
+a model without them continues the messages' text. `parse_tokenize` gives POST /tokenize
+exactly the ids a chat (or completion) request would use. Which fields are honoured, and
+how: docs/http-api.md, 'dsv4/http/requests.py'.
 """
 
 from __future__ import annotations

@@ -5,14 +5,12 @@ Read, at most one of them per request:
 * OpenAI's `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}`,
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict", "description"}}`
   (the schema is always enforced; `strict` is accepted either way);
-* vLLM's `structured_outputs`: one of `json` (a schema, or its JSON text), `json_object`
-  (true), `regex`, `choice` (strings), `grammar` (EBNF); its whitespace and backend options
-  are ignored, as they do not change what is valid;
-* vLLM's older extras `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+* vLLM's `structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`; its
+  whitespace and backend options are ignored) and its older `guided_*` extras.
 
-The result is a map `{kind: value}` (`dsv4.engine.grammar.KINDS`): the daemon compiles it, and
-answers a grammar that does not compile, a schema over 64 KiB or a server without llguidance
-with a 400. Shapes wrong here are a 400 `ApiError` naming the field.
+The result is a map `{kind: value}` (`dsv4.engine.grammar.KINDS`): the daemon compiles it,
+and answers a grammar that does not compile, a schema over 64 KiB or a server without
+llguidance with a 400. Shapes wrong here are a 400 `ApiError` naming the field.
 """
 
 from __future__ import annotations

@@ -3,19 +3,13 @@ counts for, and every refusal as an HTTP status.
 
     q, rids = await submit(bridge, parsed, client=client_of(request, body), max_prompts=64)
 
-* `max_prompts` (`serve --max-prompts-per-request`, default DEFAULT_MAX_PROMPTS): a
-  `prompt` list longer than this is a 400 naming the limit, before anything is sent. One
-  request cannot fill the daemon's request table (1,024 in flight) or sidestep `n = 1`
-  with a list of one prompt repeated; `n` samples a prompt count n times. OpenAI documents no number for prompt lists and
-  vLLM takes any; this server's default matches OpenAI's largest `n` (128) halved, and
-  the engine's fair shares (below) keep even an allowed list from crowding out others.
-* `client_of`: the client a request counts for in the engine's fair admission (each
-  client's requests wait behind the other clients' fewer ones): the body's `user`
-  (OpenAI's end-user id) when it has one, else the peer's address; so one client's
-  flood of connections or prompts does not delay another client's request.
-* Refusals: over the daemon's message limit 413 (`MessageTooLarge`, named by its bytes
-  and --max-model-len), daemon not answering or its send queue full 503
-  (`DaemonUnavailable`, `DaemonBusy`); the prompts sent before a refusal are cancelled.
+* `max_prompts` (`serve --max-prompts-per-request`, default DEFAULT_MAX_PROMPTS): a longer
+  `prompt` list is a 400 naming the limit, before anything is sent.
+* `client_of`: the client a request counts for in the engine's fair admission: the body's
+  `user` when it has one, else the peer's address.
+* Refusals: over the daemon's message limit 413 (`MessageTooLarge`), daemon not answering or
+  its send queue full 503 (`DaemonUnavailable`, `DaemonBusy`); the prompts sent before a
+  refusal are cancelled. Why the cap and its default: docs/http-api.md, 'dsv4/http/submit.py'.
 """
 
 from __future__ import annotations

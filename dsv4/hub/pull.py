@@ -1,24 +1,15 @@
 """`pull`: download the files dsv4 reads of a hub model into the hub cache.
 
-The transfer is dsv4's own, over plain HTTP through the hub's `resolve` endpoint (which
-also serves Xet-backed files), because huggingface_hub 2.4 does not do two things it must:
-
-* resume: `hf_hub_download` writes each file to a temporary name unique to the process and
-  deletes it on failure, so an interrupted 5 GB shard starts again from byte 0. Here a
-  partial file keeps a stable name, `blobs/ETAG.incomplete`, and the next pull asks for the
-  rest with `Range: bytes=N-` (a server that ignores Range sends it all; that is detected);
-* hash: its plain-HTTP path checks only a file's size. Here each file is hashed as its
-  bytes arrive (a resumed file's kept bytes first) and compared with the hub's listing:
-  the LFS sha256 of a large file (also its `X-Linked-Etag`), the git blob id (sha1 of
-  "blob SIZE\\0" + bytes) of a small one. A file that does not match is refused and
-  deleted, one line naming it (exit 2); the others stay.
-
-The rest is huggingface_hub's: the repo listing (`model_info(files_metadata=True)`), each
-file's metadata (`get_hf_file_metadata`: HEAD, redirects, ETag), headers and token
-(`HF_TOKEN`), endpoint (`HF_ENDPOINT`), offline mode (`HF_HUB_OFFLINE`), the cache and its
-layout and locks, so the result is a snapshot transformers and vLLM use as their own.
-Files go 8 at a time, smallest first; a connection that drops is retried at once while it
-makes progress, then the pull fails with the partial files kept.
+The transfer is dsv4's own, over plain HTTP through the hub's `resolve` endpoint (which also
+serves Xet-backed files), because huggingface_hub's does not do two things it must: resume
+(a partial file keeps a stable name, `blobs/ETAG.incomplete`, and the next pull asks for the
+rest with `Range: bytes=N-`) and hash (each file is hashed as its bytes arrive and compared
+with the hub's listing: the LFS sha256, or the git blob id of a small file; a file that does
+not match is refused and deleted, one line naming it, exit 2). The rest is huggingface_hub's
+(listing, metadata, token, endpoint, offline mode, the cache, its layout and locks), so the
+result is a snapshot transformers and vLLM use as their own. Files go 8 at a time, smallest
+first; a dropped connection is retried while it makes progress, then the pull fails with
+the partial files kept. Details: docs/models.md, 'dsv4/hub/pull.py'.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """Read and write DeepSeek V4 checkpoints (safetensors) in the official layout.
 
-Everything works on flat dicts of tensors keyed by the official names (no prefix),
-e.g. ``embed.weight``, ``layers.3.attn.wq_a.weight`` (+ ``layers.3.attn.wq_a.scale``),
-``layers.3.ffn.experts.7.w1.weight`` (+ ``.scale``), ``layers.0.ffn.gate.tid2eid``.
-
-On disk, as DeepSeek publishes V4 (docs/quantization.md, "Formats on disk"):
-- FP8 tensors: ``X.weight`` F8_E4M3 + ``X.scale`` F8_E8M0, one scale per 128x128 block;
-- FP4 routed experts: ``X.weight`` I8 (two e2m1 per byte) + ``X.scale`` F8_E8M0 per 1x32;
-- ``hc_*``, ``attn_sink``, ``compressor.ape``, ``ffn.gate.bias`` F32; ``tid2eid`` I64;
-- everything else BF16.
+Everything works on flat dicts of tensors keyed by the official names (no prefix), e.g.
+``embed.weight``, ``layers.3.attn.wq_a.weight`` (+ ``.scale``), ``layers.0.ffn.gate.tid2eid``.
+On disk as DeepSeek publishes V4: FP8 tensors with one E8M0 scale per 128x128 block, FP4
+routed experts (two e2m1 per byte) with one per 1x32, a few F32 / I64 tensors, everything
+else BF16 (docs/quantization.md, "Formats on disk").
 
 ``read_checkpoint`` returns dequantised tensors (scales consumed); ``save.save_checkpoint``
-writes the same layout, optionally quantised and sharded with an index. Every problem
-with the files on disk is reported as a one-line ``CheckpointError``: corrupt data too,
-as far as one cheap pass can tell -- ``validate_tensor`` refuses non-finite values in a
-floating tensor as it is read, ``check_tid2eid`` refuses hash-routing ids out of range.
+writes the same layout, optionally quantised and sharded with an index. Every problem with
+the files on disk is a one-line ``CheckpointError``, corrupt data too as far as one cheap
+pass can tell (``validate_tensor``: non-finite floats; ``check_tid2eid``: hash-routing ids
+out of range). Details: docs/quantization.md, 'dsv4/model/checkpoint.py'.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """`dsv4 convert SRC DST --quantization w8a8`: write a checkpoint that loads with no conversion work.
 
-Streams SRC tensor by tensor (as `load_model` does) and writes DST as sharded
-safetensors plus `model.safetensors.index.json`: the int8 linears of `w8a8.py` as
-``X.weight`` I8 [out, in] + ``X.scale`` F32 [out], every other tensor as stored in SRC
-(FP8/FP4 ones dequantised to bfloat16). config.json gets ``"dsv4_quantization":
-"w8a8"`` (and loses the FP8 ``quantization_config``), so loading DST needs no flag.
-Every other file of SRC's top level (generation_config.json with the sampling defaults,
-the model card, tokenizer files, licence) is copied, and every file of DST gets the mode
-of its counterpart in SRC (safetensors writes its files 0600 otherwise). At most one
-shard of converted tensors is held at a time.
-Loading DST gives bit-identical weights (and logits) to converting SRC at load time:
-the conversions are the same functions.
-
-The conversion is atomic: everything is written into a new hidden directory beside DST
-(`.DST.dsv4-convert-XXXXXXXX`), which is renamed to DST only once complete; a failed run
-removes it (a killed one leaves only that hidden directory, which blocks no rerun). SRC
-is checked as `load_model` checks it (every float tensor finite, hash-routing tables in
-range), so a corrupt source fails the conversion rather than the later load. A full disk
-(or any other write error) is one line naming DST.
+Streams SRC tensor by tensor (as `load_model` does) and writes DST as sharded safetensors
+plus `model.safetensors.index.json`: the int8 linears of `w8a8.py` as ``X.weight`` I8 [out,
+in] + ``X.scale`` F32 [out], every other tensor as stored in SRC (FP8/FP4 ones dequantised
+to bfloat16); config.json gets ``"dsv4_quantization": "w8a8"``, so loading DST needs no
+flag. SRC's other top-level files are copied, with their modes. Loading DST gives
+bit-identical weights (and logits) to converting SRC at load time. The conversion is atomic
+(a hidden directory beside DST, renamed once complete), checks SRC as `load_model` does,
+and reports any write error in one line naming DST. Details: docs/quantization.md,
+'dsv4/model/convert.py'.
 """
 
 from __future__ import annotations

@@ -4,34 +4,14 @@
     y = linear_f(x, packed, scale)         # float32 or bfloat16 [M, K] -> [M, N] in x's dtype
     backend()                              # "fp4 GEMM: C++ avx512-vnni", ... (the startup line)
 
-This module owns the weight format's products, the C++ extension that computes them
-(`csrc/fp4_gemm.cpp`: its build, loading and choice of path) and the pure-torch fallback.
-
-Weight (as DeepSeek V4 stores its experts): `packed` int8/uint8 [N, K/2], element 2k in the
-low nibble of byte k and 2k+1 in the high one, a nibble c meaning e2m1 value v(c); `scale`
-E8M0 [N, K/32] (float8_e8m0fnu or its uint8 bytes): W[n, k] = v * 2^(S[n, k // 32] - 127).
-K must be a multiple of 32. Views with contiguous rows and any row stride (a memory-mapped
-safetensors slice) are read in place.
-
-`linear_a8`, the exact contract (every C++ path and the fallback give the same bits): with
-w2x = 2 * v, an integer in [-12, 12], for each (m, n): acc = 0.0f; for each block b in order,
-d = sum_{k in b} xq[m, k] * w2x[n, k] (int32, exact) and acc = acc + float(d) * 2^(S - 128)
-(float32 multiply then add, never fused); finally y = acc * xs[m]. Edge cases, decided:
-S = 255 (NaN in the E8M0 spec) makes the block NaN, as `quant.dequantize_fp4` does; S = 0
-and 1 give the denormals 2^-128 and 2^-127 (exact unless flush-to-zero is on: torch's
-default is off; with `torch.set_flush_denormal(True)` the paths may differ below 2^-126);
-a product beyond float32 (S >= 239 with large sums) is +-inf. Rows of x are independent:
-a row's result does not depend on M or on the other rows.
-
-`linear_f`: x @ dequantize_fp4(packed, scale).T within float32 rounding (per block: four
-fma chains of 8, summed, times the block scale); rows bit-identical alone and batched
-within one path, not across paths.
-
-Path (`backend()`), chosen once per process from: the built extension (`build()`, `python -m
-dsv4.model.fp4_kernel --build`, run by scripts/venv.sh; never compiled at serve time), the
-CPU's features capped by ATEN_CPU_CAPABILITY (`default`: scalar, `avx2`: at most AVX2), and
-DSV4_FP4_ISA (`avx512-vnni`, `avx2`, `scalar` or `torch`) to force one. The C++ paths use
-torch's intra-op threads (`torch.set_num_threads`), split over tiles of output rows.
+This module owns the weight format's products, the C++ extension (`csrc/fp4_gemm.cpp`: its
+build, loading and choice of path) and the pure-torch fallback. Weight: `packed` [N, K/2]
+(element 2k in the low nibble of byte k), `scale` E8M0 [N, K/32], K a multiple of 32.
+`linear_a8` is exact, every C++ path and the fallback giving the same bits (per block an
+int32 dot product times its power of two, added in block order in float32); `linear_f` is
+x @ dequantize_fp4(packed, scale).T within float32 rounding. The path is chosen once per
+process (built extension, CPU features, DSV4_FP4_ISA; never compiled at serve time).
+Exact contract and edge cases: docs/quantization.md, 'dsv4/model/fp4_kernel.py'.
 """
 
 from __future__ import annotations

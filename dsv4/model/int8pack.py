@@ -1,28 +1,17 @@
 """W8A8 weights prepacked for oneDNN's int8 matmul on CPU (eager decode and prefill).
 
-`torch._int_mm` on CPU hands oneDNN a plain int8 weight and oneDNN re-lays it out into
-its blocked format on every call: a 4096 x 4096 weight reads at ~13 GB/s with 2 threads
-where memory gives ~31. `torch.ops.onednn.qlinear_prepack` does that layout once, at load,
-and `qlinear_pointwise` then reads it at ~23 GB/s (BENCHMARKS.md, "W8A8 on a DeepSeek V4
-Flash-shaped slice"). Fed per-token-quantised rows with activation scale 1, zero point 0,
-weight scales 1 and float32 output, it returns the exact int32 products as float32, the
-same values as an exact `_int_mm(x, w).float()`, where its int8 instructions do not
-saturate: VNNI and AMX, and AVX-512 without VNNI as oneDNN packs for it. On AVX2 without
-VNNI its int16 pair sums saturate (as `torch._int_mm`'s do there and on AVX-512 without
-VNNI; `kernels.int_mm` then multiplies by two halves of the weight, `split_mm`): `exact()`
-checks the products against int64 once per process and packing is off where they differ.
+`torch._int_mm` on CPU re-lays a plain int8 weight out for oneDNN on every call; `pack`
+does it once, at load (`qlinear_prepack`), and `mm` reads it faster (BENCHMARKS.md, "W8A8
+on a DeepSeek V4 Flash-shaped slice"), with the exact int32 products wherever the CPU's
+int8 instructions do not saturate: `exact()` checks once per process; packing is off else.
 
     if int8pack.exact():
         packed = int8pack.pack(w)        # int8 [N, K] -> opaque oneDNN tensor (shape [K, N])
         y = int8pack.mm(xq, packed)      # int8 [M, K] -> float32 [M, N], exact
 
-`pack_model(model)` (the loader's last step, single-process CPU, `--compile` off, and only where
-`fast()`: not onto oneDNN's reference int8 matmul) packs every
-int8 weight of at least `MIN_BYTES` in place: the owners (`QuantLinear`, `FusedLinear`,
-`MoE`'s stacked experts) keep the packed tensors and their plain int8 buffers become meta
-tensors of the same shape, so memory does not grow and any stray read of a plain weight
-fails loudly instead of computing with garbage. A packed model cannot be saved, moved,
-sharded or compiled (those read plain weights): load it with `pack=False` for that.
+`pack_model(model)` (the loader's last step, where allowed) packs every int8 weight of at
+least `MIN_BYTES` in place; the plain buffers become meta tensors, so a packed model cannot
+be saved, moved, sharded or compiled. Details: docs/quantization.md, 'dsv4/model/int8pack.py'.
 """
 
 from __future__ import annotations
@@ -98,10 +87,10 @@ def exact() -> bool:
 def fast() -> bool:
     """Whether the packed product is not oneDNN's reference kernel here: where oneDNN has no
     optimised int8 matmul for the packed layout on this CPU (seen on an AMD Zen 4 with
-    AVX-512 VNNI, oneDNN 3.12: `ref_int8`, 190 ms for one row of 4096 x 4096 where
-    `torch._int_mm` takes 0.6 ms), packing would make w8a8 ~100x slower. One probe per
-    process: a [1, 1024] x [1024, 1024] product both ways, best of 3; packed must be within
-    4x of the plain one (a real kernel is faster; the reference one is 50-300x slower)."""
+    AVX-512 VNNI, oneDNN 3.12: `ref_int8`), packing would make w8a8 far slower (measured:
+    docs/quantization.md, 'dsv4/model/int8pack.py'). One probe per process: a [1, 1024] x
+    [1024, 1024] product both ways, best of 3; packed must be within 4x of the plain one (a
+    real kernel is faster; the reference one is many times slower)."""
     import time
 
     g = torch.Generator().manual_seed(0)
@@ -138,7 +127,7 @@ def cpu_saturates() -> bool:
 def split_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """The exact int32 product where `torch._int_mm` saturates: wq = a + b with |a| <= 64,
     |b| <= 63, so that no pair sum leaves int16 ((127 + 128) * 64 * 2 = 32640); two products
-    (2.3x one, held to AVX2 on this machine's 4096 x 4096 at one row)."""
+    (their cost: docs/quantization.md, 'dsv4/model/int8pack.py')."""
     a = wq.clamp(-64, 64)
     return torch._int_mm(xq, a.t()) + torch._int_mm(xq, (wq - a).t())
 

@@ -3,27 +3,15 @@
     xq, xs = quantize_tokens(x)          # [M, K] float -> int8 [M, K], float32 [M, 1]
     y = w8a8_linear(x, wq, ws)           # x [..., K], int8 rows wq [N, K], float32 scales ws [N] -> [..., N]
 
-The product is an exact int8 x int8 -> int32 matmul, rescaled by the token scales and
-the row scales in float32: y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n].
-Per-token quantisation makes every row independent of the rows batched with it: the same
-float row gives the same output bits alone or in any batch, on every CPU. The float ops
-around the linears are not bit-identical across batch shapes (MKL and ATen choose kernels by
-shape and by CPU), and per-token rounding turns such a last-bit difference into a one-step
-flip of an int8 activation. So under w8a8, chunked = whole, batched = alone and MTP on = off
-hold within the model's quantisation error, not exactly (docs/quantization.md: measured
-at most 0.57 of it; tests/model/conftest.py `bound`); in float32 they hold to 1e-5.
-
-Backends, picked by the device of x:
-* cpu: `torch._int_mm` (no shape rules on CPU; checked with M = 1, K = 17, N = 5), or
-  oneDNN's prepacked int8 linear for weights the loader packed (`int8pack`: exact, 1.5-1.8x).
-  Without VNNI (AVX2, AVX-512 without VNNI) `_int_mm` saturates int16 pair sums: there the
-  weight is split in two halves that cannot (`int8pack.cpu_saturates`, `split_mm`: exact, ~2.3x);
-* cuda: `torch._int_mm`, padded to its rules (M > 16, K and N multiples of 8);
-* npu: `torch_npu.npu_dynamic_quant` + `torch_npu.npu_quant_matmul`. UNTESTED on a real
-  NPU (none was available): only its layout and scale conversions (`npu_weight_layout`,
-  `npu_rescale_reference`) are tested, on CPU. See docs/quantization.md.
-
+The product is an exact int8 x int8 -> int32 matmul, rescaled in float32:
+y[m, n] = (sum_k xq[m, k] * wq[n, k]) * xs[m] * ws[n]. Per-token quantisation makes every
+row independent of the rows batched with it (the same bits alone or in any batch); under
+w8a8 chunked = whole, batched = alone and MTP on = off hold within the model's quantisation
+error, not exactly (docs/quantization.md). Backends, by the device of x: cpu `torch._int_mm`
+(or `int8pack`'s prepacked weights; split in halves where int16 pair sums saturate), cuda
+`torch._int_mm` padded to its rules, npu `torch_npu` (UNTESTED on a real NPU).
 `check_kernel(device)` says at startup whether the device has one (`W8A8Error` if not).
+Details: docs/quantization.md, 'dsv4/model/kernels.py'.
 """
 
 from __future__ import annotations
@@ -121,10 +109,9 @@ def draft_linear(x: torch.Tensor, head: dict[str, torch.Tensor]) -> torch.Tensor
     draft vocabulary (`restrict_draft_vocab`, in the head's dtype when not int8). Drafts are
     only proposals (verification uses the exact head), so the fastest int8 kernel serves: on
     CPU with bfloat16 x and few rows, `torch._weight_int8pack_mm` (int8 weight, bf16
-    activations: the head at 24 GB/s where `_int_mm` reads it at 12, measured with 2
-    threads, V4 Flash's 129280 x 4096); else W8A8.
-    A head prepacked for oneDNN (`DeepseekV4.pack_int8`) goes through it at any row count
-    (V4 Flash's head: 19.6 ms at 1 row and 20.6 at 8, against 21.0 and 40.7 ms)."""
+    activations: it reads the head faster than `_int_mm`); else W8A8. A head prepacked for
+    oneDNN (`DeepseekV4.pack_int8`) goes through it at any row count (faster still). Measured:
+    docs/quantization.md, 'dsv4/model/kernels.py'."""
     if "packed" in head:
         return w8a8_linear(x, head["packed"], head["scale"])
     if head["weight"].dtype != torch.int8:  # a draft vocabulary's rows of an unquantised head

@@ -195,7 +195,8 @@ _CONSTANTS: dict[tuple[float, torch.device], torch.Tensor] = {}
 def constant(value: float, device: torch.device) -> torch.Tensor:
     """A cached float32 0-dim tensor (an ordinary tensor, usable by autograd too). As an
     operand it gives the same float32 arithmetic as the Python float, without the per-call
-    wrap of a Python scalar into a tensor (about 1 us on a CPU op of a few us)."""
+    wrap of a Python scalar into a tensor, a large share of a small CPU op (measured:
+    docs/architecture.md, 'dsv4/model/layers.py')."""
     key = (value, device)
     t = _CONSTANTS.get(key)
     if t is None:
@@ -346,7 +347,8 @@ SINKHORN_SLICED_MIN = 64  # from this many (prefill chunks), sums over slices be
 def _sinkhorn_sliced(a: np.ndarray, iters: int, eps: float) -> None:
     """`sinkhorn`'s iterations in place on a float64 numpy array [T, hc, hc], summing
     slice by slice, left to right: for hc < 8 numpy's `sum` over such a short axis adds in
-    the same order, so this is the same arithmetic, about 1.5x faster on many matrices."""
+    the same order, so this is the same arithmetic, faster on many matrices (measured:
+    docs/architecture.md, 'dsv4/model/layers.py')."""
     hc = a.shape[-1]
     at = a.transpose(0, 2, 1)  # at[t, j, i] = a[t, i, j]
 

@@ -1,20 +1,13 @@
 """`load_model`: a DeepSeek V4 checkpoint directory -> a ready `DeepseekV4`.
 
-Order of work, so that the model is never held twice nor in high precision:
-1. read `config.json` and every safetensors header; build the model on the meta device
-   (with `--quantization w8a8`, its quantised linears swapped for `QuantLinear`, see
-   `w8a8.py`) and set each tensor's dtype: the compute dtype, float32 for what the
-   official layout keeps in float32 (mHC, sinks, `ape`, router bias), int8 + float32
-   row scales for quantised linears;
-2. check the names and shapes the checkpoint will produce against the model's
-   (missing, unexpected, mismatched: one clear error) before any data is read;
-3. allocate the model's storage once on the device and fuse its projections
-   (`fuse_projections`: the fused weights are that storage);
-4. stream the checkpoint tensor by tensor (memory mapped), converting each one
-   (FP8/FP4 dequantised, or converted to int8 rows) and copying it into its place;
-   every float tensor is checked finite as it lands (NaN/inf: a checkpoint error naming
-   the tensor and file) and the hash-routing tables are range-checked at the end.
-Peak memory is the model plus one tensor's conversion temporaries.
+Order of work, so that the model is never held twice nor in high precision: (1) read
+`config.json` and every safetensors header, build the model on the meta device (w8a8:
+`QuantLinear`s) and set each tensor's dtype; (2) check the names and shapes the checkpoint
+will produce against the model's before any data is read; (3) allocate the model's storage
+once on the device and fuse its projections; (4) stream the checkpoint tensor by tensor
+(memory mapped), converting each one into its place, every float tensor checked finite and
+the hash-routing tables range-checked. Peak memory is the model plus one tensor's
+conversion temporaries. Details: docs/quantization.md, 'dsv4/model/loader.py'.
 """
 
 from __future__ import annotations

@@ -1,20 +1,16 @@
 """DeepSeek V4 (Flash) in PyTorch, with its MTP block.
 
-Interfaces (parameter names are the official checkpoint names, so
-`model.state_dict()` keys are exactly the tensors of a DeepSeek V4 checkpoint,
-dequantised):
+Parameter names are the official checkpoint names: `model.state_dict()` keys are exactly the
+tensors of a DeepSeek V4 checkpoint, dequantised.
 
-* `model(input_ids)` with `input_ids` [B, S] -> logits [B, S, vocab]: a full causal
-  forward from position 0 (no state kept).
-* Stateful path, for serving: `state = model.new_state(max_slots, max_len, ...)`,
-  then `model.forward_batch(batch, state, logits_index)` runs one dispatch: any mix
-  of prefill chunks (any size, any offset) and decode rows of many requests,
-  packed as a `Batch`. It returns the final hidden streams [T, hc, D] (before
-  `hc_head`, what the MTP consumes) and logits for the token rows asked for.
-* `model.mtp_forward(batch, hidden, state, logits_index)`: the MTP block over
-  pairs (h_t, x_{t+1}): `batch.input_ids` holds x_{t+1}, `batch.positions` holds t,
-  `hidden` [T, hc, D] holds h_t. Returns its own streams [T, hc, D] (feed them back
-  for deeper drafts) and logits for x_{t+2}.
+* `model(input_ids)` [B, S] -> logits [B, S, vocab]: a full causal forward from position 0.
+* `state = model.new_state(max_slots, max_len, ...)`; `model.forward_batch(batch, state,
+  logits_index)`: one dispatch of any mix of prefill chunks and decode rows (a `Batch`);
+  returns the final hidden streams [T, hc, D] (before `hc_head`) and the logits asked for.
+* `model.mtp_forward(batch, hidden, state, logits_index)`: the MTP block over pairs
+  (h_t, x_{t+1}) (`batch.input_ids` x_{t+1}, `batch.positions` t, `hidden` h_t); returns its
+  own streams (fed back for deeper drafts) and logits for x_{t+2}.
+Details: docs/architecture.md, 'dsv4/model/model.py'.
 """
 
 from __future__ import annotations
@@ -119,12 +115,12 @@ class DeepseekV4(nn.Module):
     def quantize_draft_head(self, rows: int = 1024) -> int:
         """W8A8 inference: the MTP drafts through an int8 copy of the head (per-row scales;
         `kernels.draft_linear`), or of its draft-vocabulary rows (`restrict_draft_vocab`, called
-        first): a draft reads half the head's bytes,
-        most of what it reads (V4 Flash: 1.06 GB of bf16 head against ~0.3 GB of int8 MTP
-        layer). Drafts are proposals: verification keeps the exact head, so the text still
-        follows the main model alone (greedy: the same tokens; sampled: the target's
-        distribution, with q the drafts' own). Quantised `rows` at a time (no float32 copy
-        of the whole head). Returns the bytes of the draft head."""
+        first): a draft reads half the head's bytes, most of what it reads (the sizes:
+        docs/architecture.md, 'dsv4/model/model.py'). Drafts are proposals: verification
+        keeps the exact head, so the text still follows the main model alone (greedy: the
+        same tokens; sampled: the target's distribution, with q the drafts' own). Quantised
+        `rows` at a time (no float32 copy of the whole head). Returns the bytes of the draft
+        head."""
         kept = dict(self.draft_head or {})
         w = kept.pop("weight", self.head.weight).detach()  # [V, D] (this rank's vocabulary slice under TP)
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)

@@ -1,21 +1,14 @@
 """Routed experts kept in the checkpoint's MXFP4 (`--quantization mxfp4` and `w8a8-mxfp4`).
 
-DeepSeek V4 ships its routed experts as MXFP4: two e2m1 values a byte (element 2k in the low
-nibble) and one E8M0 scale per 32 along the input. `to_mxfp4(model, act_int8)` swaps every
-routed expert's `w1`/`w2`/`w3` for an `FP4Linear` holding those bytes as stored (the loader
-maps them from the safetensors files); the rest of the model stays as `--quantization` says
-(`mxfp4`: the compute dtype, `w8a8-mxfp4`: int8, `w8a8.to_w8a8`). `FP4Linear` multiplies
-through `fp4_kernel` (a C++ kernel that reads only the packed bytes, or its torch fallback):
-
-* float activations (`mxfp4`): x @ dequantised(W)^T within float rounding;
-* int8 activations (`w8a8-mxfp4`): x quantised per token as w8a8 does, each 32-block's dot
-  product exact in int32, scaled by its power of two and added in block order: the exact
-  product of the quantised x and the checkpoint's own weights; only the activation's
-  rounding is left (the w8a8 bound).
-
-`routed` is the MoE's routed share over such experts (the eager path, expert by expert in
-increasing order, as `moe.routed` adds them; `moe.moe_mxfp4` is it as one opaque op for
-compiled steps).
+`to_mxfp4(model, act_int8)` swaps every routed expert's `w1`/`w2`/`w3` for an `FP4Linear`
+holding the checkpoint's MXFP4 bytes as stored (two e2m1 values a byte, one E8M0 scale per
+32; the loader maps them from the safetensors files); the rest of the model stays as
+`--quantization` says (`mxfp4`: the compute dtype, `w8a8-mxfp4`: int8). `FP4Linear`
+multiplies through `fp4_kernel`: float activations give x @ dequantised(W)^T within float
+rounding; int8 activations (quantised per token as w8a8 does) give the exact product of the
+quantised x and the checkpoint's own weights. `routed` is the MoE's routed share over such
+experts (`moe.moe_mxfp4` is it as one opaque op for compiled steps).
+Details: docs/quantization.md, 'dsv4/model/mxfp4.py'.
 """
 
 from __future__ import annotations

@@ -2,30 +2,16 @@
 (one grep for `parallel.` finds them all). Which slice each rank holds is `sharding.py`;
 the engine's per-step messages between ranks are `dsv4/engine/plan.py`.
 
-The collectives of DeepSeek's reference layout (docs/distributed-layout.md):
+The collectives of DeepSeek's reference layout (docs/distributed-layout.md): `all_reduce`
+(fp32 sum: after `wo_b`, after the MoE, of the indexer's scores, of the embedding),
+`all_reduce_max` (int8 token and row amax), `all_gather` (the head's logits) and
+`broadcast_object` (rank 0's object on every rank). At world size 1 every collective
+returns its input unchanged; per-request state is replicated on every rank.
 
-* `all_reduce` (fp32 sum): after `wo_b`, after the MoE, of the indexer's scores, of the
-  embedding (ids outside a rank's vocabulary slice give zeros);
-* `all_reduce_max`: a row-parallel int8 linear's token amax (and a row-parallel weight's
-  row amax when quantised at load);
-* `all_gather`: the head's logits, along the vocabulary;
-* `broadcast_object`: rank 0's object on every rank through the group (the engine's
-  plan messages take it unless `engine.plan` has a faster channel).
-
-At world size 1 (no group initialised) every collective returns its input unchanged.
-Per-request state is replicated on every rank.
-
-The rendezvous store (rank 0's `TCPStore`) has no authentication (any client may read,
-list and write its keys), so it is exposed as little as the backends allow: it listens on
-the master address only (`listen`: a socket bound there, its descriptor handed to the
-store, so the port is never closed and re-bound: no window for an impostor store), and on
-gloo, which reads the store only while the group forms, it is closed as soon as every rank
-has joined (a barrier, then the server is dropped). NCCL and HCCL set up communicators
-lazily through the store, so there it stays up, on the master address only, until `close`.
-gloo's own pair listeners bind the address this host's name resolves to (set
-GLOO_SOCKET_IFNAME to choose the interface): forcing the loopback interface for a loopback
-master made ranks abort at exit ("terminate called without an active exception") in about
-one run of five of the two-host and torchrun tests, so it is not done.
+The rendezvous store (rank 0's `TCPStore`, unauthenticated) listens on the master address
+only, on a socket bound before the store takes it; on gloo it is closed once every rank has
+joined, on NCCL and HCCL it stays up until `close`. Details: docs/distributed.md,
+'dsv4/model/parallel.py'.
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
 """Bit-exact codecs for the quantised weights of the official DeepSeek V4 checkpoint.
 
-Two block formats, both with power-of-two E8M0 scales (an exponent-only byte B
-meaning 2^(B-127)):
-
-- FP8: float8_e4m3fn values with one scale per 128x128 block.
-  ``W[i, j] = e4m3(Q[i, j]) * 2^(S[i//128, j//128] - 127)``.
-- FP4 (routed experts): e2m1 values packed two per int8 byte with one scale per
-  1x32 block along the last dim. Byte ``[i, k]`` holds element 2k in its LOW
-  nibble and element 2k+1 in its HIGH nibble; a nibble indexes ``FP4_VALUES``.
-  ``W[i, j] = FP4_VALUES[nibble(i, j)] * 2^(S[i, j//32] - 127)``.
-
-Scales follow the official kernels: ``s = 2^ceil(log2(amax / qmax))`` with the
-block amax floored (1e-4 for FP8, 6*2^-126 for FP4); values are clamped to
-``[-qmax, qmax]`` and rounded to nearest-even. Two deliberate refinements make
-the codecs bit-exact fixed points, ``quantize(dequantize(q)) == q``:
-  * the ceil is computed exactly (frexp on amax against qmax = m*2^k), instead of
-    multiplying amax by a rounded float32 reciprocal;
-  * when rounding pulls a block's largest value down to qmax/2 (e.g. 230 -> 224 in
-    FP8, 3.2 -> 3 in FP4), the block is quantised with the halved scale instead: its
-    max saturates to qmax (the same value as before) and the other values get one
-    more bit. Quantising the dequantised block would pick that halved scale anyway.
-
-All codecs are vectorised torch code, device-agnostic, and compute in float32.
+Two block formats, both with power-of-two E8M0 scales (a byte B meaning 2^(B-127)):
+FP8 (float8_e4m3fn, one scale per 128x128 block) and FP4 for the routed experts (e2m1
+packed two per int8 byte, element 2k in the LOW nibble, one scale per 1x32 block).
+Scales follow the official kernels, ``s = 2^ceil(log2(amax / qmax))`` with a floored block
+amax, values clamped and rounded to nearest-even, with two refinements (an exact ceil, and
+the halved scale when rounding pulls a block's max down to qmax/2) that make the codecs
+bit-exact fixed points: ``quantize(dequantize(q)) == q``. All codecs are vectorised torch
+code, device-agnostic, computing in float32. Formulas and refinements in full:
+docs/quantization.md, 'dsv4/model/quant.py'.
 """
 
 from __future__ import annotations

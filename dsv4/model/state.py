@@ -1,39 +1,17 @@
 """Per-request decode state of DeepSeek V4, owned by one object: `ModelState`.
 
-Two kinds of state, laid out differently:
+* **What slides** (window rows, compressor input rings) lives in small per-slot rings
+  indexed by absolute position modulo the ring size, so rollback of rejected speculative
+  tokens is free (`Rw = max_chunk + window + max_spec`, `Rr = max_chunk + 2 * ratio + max_spec`).
+* **What only grows** (compressed entries, CSA indexer keys) lives in blocks of `block_size`
+  positions from a pool shared by every slot, named by per-slot block tables (sharable by
+  requests with one prefix). Entry w is rewritten whenever position `w * ratio + ratio - 1`
+  is, so a rejected token leaves nothing behind; the last block (`trash`) is no request's.
+* Host-side: `lengths[slot]` and `mtp_lengths[slot]` (writes start exactly there; a gap
+  raises; `rollback` moves them back) and `blocks[slot]` (`assign`).
 
-* **what slides** lives in small per-slot rings with a leading *slot* axis
-  (`max_slots`), indexed by absolute position modulo the ring size, which makes
-  rollback of rejected speculative tokens free:
-  - window ring (every layer and the MTP block): `win[slot, pos % Rw]`, the normed,
-    roped K=V vector. `Rw = max_chunk + window + max_spec`, so a dispatch of up to
-    `max_chunk` tokens can write all its rows before reading its keys, and rows
-    overwritten by rejected drafts are never ones a later query needs;
-  - compressor input rings (compressed layers, and the CSA indexer's compressor):
-    `raw_kv/raw_score[slot, pos % Rr]`, the projected kv and gate(+ape) of recent
-    tokens: the unfinished window and the CSA overlap carry (the `Ca` half of the
-    previous window). `Rr = max_chunk + 2 * ratio + max_spec`;
-* **what only grows**, the compressed entries (and the CSA indexer's keys), lives in
-  **blocks** of `block_size` positions from a pool shared by every slot:
-  `entries[block, j]` holds entry `b * block_size // ratio + j` of the request whose
-  block table `table[slot, b]` names that block. One block id covers the same
-  positions in every layer (a CSA block holds block_size/4 entries, an HCA block
-  block_size/128), so one table serves them all, and a block can be shared by
-  requests with the same prefix (the engine's prefix cache). Entry w is (re)written
-  whenever the token that closes it, position `w * ratio + ratio - 1`, is processed,
-  so a rejected token that closed a window leaves nothing behind once the position
-  is written again. The pool's last block (`trash`) belongs to no request: unused
-  table cells point at it, and a static dispatch's tokens that close no window write
-  it; no query reads what it holds.
-
-Host-side bookkeeping: `lengths[slot]` (main model) and `mtp_lengths[slot]`, how many
-positions hold committed state (writes must start exactly there: a skipped position
-is a bug and raises; `rollback` moves the length back), and `blocks[slot]`, the slot's
-block ids (`assign`; without a block manager, `ModelState` gives every slot its own
-blocks for max_len up front).
-
-A `Batch` describes one dispatch: rows `(slot, start, n)` packed one after another
-into token tensors [T].
+A `Batch` describes one dispatch: rows `(slot, start, n)` packed into token tensors [T].
+Details: docs/state-layout.md, 'dsv4/model/state.py'.
 """
 
 from __future__ import annotations

@@ -1,19 +1,16 @@
 """W8A8 storage: int8 weights with one float32 scale per output row, applied to a built model.
 
-Which linears (`QUANTIZED_RULE`, by role): every `Linear` of the blocks and the MTP
-block -- attention `wq_a`, `wq_b`, `wkv`, `wo_a`, `wo_b`; the compressor's and the
-indexer's `wkv`/`wgate`, the indexer's `wq_b` and `weights_proj`; shared and routed
-experts `w1`/`w2`/`w3`; MTP `e_proj`/`h_proj`. Not the `head` (nor the embedding,
-norms, router gate, mHC, sinks, `ape`: those are not `Linear`s). The small
-projections of the layer input (compressor, indexer `weights_proj`) read the same x
-as `wq_a`/`wkv` and run fused with them in one int8 matmul after one activation
-quantisation, so keeping them in float would cost a second matmul for little memory:
-in V4 Flash they are 8 % of a CSA layer's attention bytes and <1 % of its total.
+Which linears (`QUANTIZED_RULE`, by role): every `Linear` of the blocks and the MTP block
+(attention, compressor and indexer projections, shared and routed experts, MTP
+`e_proj`/`h_proj`); not the `head`, nor the embedding, norms, router gate, mHC, sinks or
+`ape`. The small projections of the layer input run fused with `wq_a`/`wkv` in one int8
+matmul after one activation quantisation (why they are int8 too: docs/quantization.md).
 
-`to_w8a8(model)` swaps those modules for `QuantLinear` (from their float weights, or
-empty on the meta device, for the loader to fill). `from_fp4` / `from_float` convert
-one checkpoint tensor at a time; FP4 rows whose block exponents span <= 3 convert
-exactly (doubled e2m1 values are integers <= 12, and 12 * 2^3 = 96 <= 127).
+`to_w8a8(model)` swaps those modules for `QuantLinear` (from their float weights, or empty
+on the meta device, for the loader to fill). `from_fp4` / `from_float` convert one
+checkpoint tensor at a time; FP4 rows whose block exponents span <= 3 convert exactly
+(doubled e2m1 values are integers <= 12, and 12 * 2^3 = 96 <= 127).
+Details: docs/quantization.md, 'dsv4/model/w8a8.py'.
 """
 
 from __future__ import annotations
