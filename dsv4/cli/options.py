@@ -165,7 +165,8 @@ Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none; w8a8 (int8 weights with per-row scales, int8 activations per token); mxfp4 "
          "(the routed experts kept as the checkpoint's FP4, the rest unquantised); w8a8-mxfp4 (FP4 routed "
-         "experts, the rest w8a8, int8 activations) [default: as the checkpoint is stored]")]
+         "experts, the rest w8a8, int8 activations) [default: as the checkpoint is stored where it fits the "
+         "memory, else the first of mxfp4, w8a8-mxfp4, w8a8 that fits]")]
 DraftVocab = Annotated[Optional[str], typer.Option(
     "--draft-vocab", metavar="FILE", rich_help_panel=ENGINE_PANEL,
     help="MTP drafts propose only the tokens of FILE (written by 'dsv4 draft-vocab'): a smaller draft head "
@@ -307,15 +308,21 @@ def check_listen_key(endpoint: str, api_key: str | None) -> bool:
 
 def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
     """A validated EngineConfig, or `CliError` (usage) with the validation message; loads no
-    weights. `check_memory`: also refuse a configuration whose memory plan does not fit this
-    machine (`dsv4.engine.memory_plan.check`), naming the figures and the flags that would."""
+    weights. `check_memory`: without --quantization, take the formats that fit this machine
+    (`memory_plan.fit_default`: float32 where it fits, else the checkpoint's own), and refuse a
+    configuration whose memory plan does not fit (`memory_plan.check`), naming the figures and
+    the flags that would."""
     from dsv4.engine.config import EngineConfig, EngineConfigError
 
     try:
         config = EngineConfig.create(**kw)
         if check_memory and config.node_rank == 0:
-            from dsv4.engine.memory_plan import check
+            from dsv4.engine.memory_plan import check, fit_default
 
+            if kw.get("quantization") is None:  # not given: the formats the memory plan fits
+                config, note = fit_default(config)
+                if note:
+                    print(f"dsv4: {note}", file=sys.stderr)
             check(config)
         return config
     except EngineConfigError as e:

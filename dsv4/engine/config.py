@@ -1,46 +1,16 @@
 """Engine configuration: `EngineConfig`, one frozen dataclass validated when it is built.
 
-Validation runs before any weight is read: it reads the checkpoint's `config.json` and
-the *headers* of its safetensors files (tensor names only), nothing else. Every CLI
-flag maps to one field:
+Validation runs before any weight is read: it reads the checkpoint's `config.json` and the
+*headers* of its safetensors files (tensor names only), nothing else. Every CLI flag of the
+engine (--model, --dtype, --max-num-seqs, --max-model-len, --num-speculative-tokens, ...)
+maps to one field. Defaults that depend on the checkpoint (model, dtype, K, prefill_limit,
+max_num_batched_tokens, max_model_len, kv_cache_blocks, quantization, draft_vocab,
+tensor_parallel_size, plan_transport) are resolved when the config is built, so the fields
+of a built config always hold concrete values (except `profile_dir`).
 
-    --model --device --dtype --max-num-seqs --max-model-len --max-num-batched-tokens
-    --long-prefill-token-threshold --enable-chunked-prefill/--no-enable-chunked-prefill
-    --num-speculative-tokens --seed --profile --quantization --compile/--no-compile
-    --draft-vocab --revision
-
-Defaults that depend on the checkpoint are resolved when the config is built, so the
-fields of a built config always hold concrete values (except `profile_dir`):
-
-* `model` a hub model ORG/NAME (not a directory here) -> its snapshot's directory in the hub
-  cache at `revision` (default main), found without the network (`dsv4.hub.cache`; the CLI
-  pulls a missing model first); `model_id` keeps ORG/NAME and `revision` becomes the commit.
-  A directory stays as it is (`model_id` None, unless it is a snapshot in a hub cache);
-* `dtype` "auto" -> float32 on cpu, bfloat16 on cuda/npu;
-* `num_speculative_tokens` None or "auto" -> `speculative_auto` and K = the MTP depth (at most
-  3: the state is sized for it, a `SpecPolicy` picks 0..K each step) when the checkpoint has
-  MTP weights, else 0;
-* `prefill_limit` (the most prompt tokens of one request per step) None -> on NPU the
-  prefill kernel's tile (128 for DeepSeek V4, which may only be lowered); on CPU and CUDA,
-  where no kernel limits it, `--max-num-batched-tokens` when given, else DEFAULT_CHUNK;
-* `max_num_batched_tokens` None -> prefill_limit + max_num_seqs * (1 + K), so one full
-  prefill chunk fits beside a full batch of decode steps; more than max_model_len plus that
-  batch is refused (a step could never use it);
-* `max_model_len` None -> max_position_embeddings (the model's whole context), and in
-  single-dispatch mode at most the single-dispatch limit;
-* `kv_cache_memory` (bytes, "2GiB", or a fraction of free memory) -> `kv_cache_blocks`, the
-  pool of state blocks of `block_size` positions; None -> max_num_seqs requests at
-  max_model_len, within a quarter of the machine's memory. A pool that cannot hold one
-  request at max_model_len is refused, naming the bytes;
-* `quantization` None -> as the checkpoint is stored: "w8a8" for a `dsv4 convert`
-  output, else "none".
-* `draft_vocab` None or "auto" -> the checkpoint's `draft_vocab.json` when it has one, else
-  "off"; a file is read and checked here (`draft_vocab_ids`; only when speculation is on).
-* `tensor_parallel_size` None -> WORLD_SIZE under torchrun (`launch`, see engine/launch.py),
-  else 1; `plan_transport` "auto" -> "shm" when every rank is on this host, else "object".
-
-A config that cannot run raises `EngineConfigError` with a one-line message that names
-the flag to change (see docs/serving.md section 2).
+A config that cannot run raises `EngineConfigError` with a one-line message that names the
+flag to change (docs/serving.md section 2). Every flag and how each default resolves:
+docs/serving.md, 'dsv4/engine/config.py'.
 """
 
 from __future__ import annotations
@@ -242,11 +212,13 @@ class EngineConfig:
             raise EngineConfigError(
                 f"chunked prefill is disabled, but max_model_len {mml} exceeds the single-dispatch prefill limit "
                 f"{lim} of deepseek_v4 on {self.device}; enable chunked prefill or lower --max-model-len to {lim}")
-        most = mml + self.max_num_seqs * (1 + k)  # the longest chunk beside a full batch of decode rows
+        most = self.max_num_seqs * (mml + 1 + k)  # every slot's longest row at once: more is never used
         if given is not None and given > most:
-            raise EngineConfigError(f"--max-num-batched-tokens {given} is more than a step can use "
-                                    f"(--max-model-len {mml} + --max-num-seqs {self.max_num_seqs} x (1 + K = {1 + k}) "
-                                    f"= {most}); lower --max-num-batched-tokens to {most} or less")
+            raise EngineConfigError(f"--max-num-batched-tokens {given} is more than a step can use (--max-num-seqs "
+                                    f"{self.max_num_seqs} x (--max-model-len {mml} + 1 + K = {1 + k}) = {most}); "
+                                    f"lower --max-num-batched-tokens to {most} or less")
+        if given is None:  # the default, now that max_model_len is known: no chunk is longer than it
+            set_("max_num_batched_tokens", max(1 + k, min(plimit, mml) + self.max_num_seqs * (1 + k)))
         set_("max_model_len", mml)
         self._size_pool()
 
@@ -405,13 +377,12 @@ def default_threads() -> int:
     of a step, and its threads wait there by spinning (libgomp, torch's runtime on x86 Linux:
     300,000 turns before they sleep; Intel's: 200 ms). A spinning thread that shares its core
     with other work (another tenant, the daemon's own I/O and HTTP threads) gets that core only
-    for its fair slices, so every region waits for a slice: on 2 cores beside one busy loop,
-    2 threads decoded a median 7 tok/s where 1 thread decoded 99, and loaded the weights 2x
-    slower (benchmarks/busy_threads.py, BENCHMARKS.md). A team one core short of the machine
-    leaves that core to the rest. On 2 cores that is 1 thread: 0.88x the decode rate of 2 on
-    an idle machine. OMP_WAIT_POLICY=PASSIVE (threads sleep at once) also ends the collapse, but
-    costs 0.4-0.65x on an idle machine, so dsv4 leaves it to the user. One decode step of a
-    small batch gains little from more than MAX_DEFAULT_THREADS."""
+    for its fair slices, so every region waits for a slice and decoding collapses
+    (benchmarks/busy_threads.py, BENCHMARKS.md). A team one core short of the machine leaves
+    that core to the rest, at a small cost on an idle machine. OMP_WAIT_POLICY=PASSIVE
+    (threads sleep at once) also ends the collapse, but costs more on an idle machine, so
+    dsv4 leaves it to the user (figures: docs/serving.md, 'dsv4/engine/config.py'). One decode
+    step of a small batch gains little from more than MAX_DEFAULT_THREADS."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)

@@ -31,6 +31,9 @@ KINDS = [  # (label, pattern of the official names), first match wins
 FORMATS = {"uint8": "MXFP4", "int8": "int8", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32",
            "int64": "int64"}
 ALTERNATIVES = ("w8a8-mxfp4", "mxfp4", "w8a8", "none")  # what a refusal suggests, smallest first
+# With no --quantization: the stored weights as float ("none": exact) where they fit, else the
+# checkpoint's own formats (FP4 experts as stored, then int8 for the rest too), then w8a8
+DEFAULT_ORDER = ("none", "mxfp4", "w8a8-mxfp4", "w8a8")
 
 
 @dataclass
@@ -84,7 +87,8 @@ def _gib(n: int | None) -> str:
 def weight_parts(config: Any, exact: bool = False) -> list[Part]:
     """The weights of rank 0 by kind, with their formats. The routed experts of a layer are
     alike, so unless `exact` the meta model is built with one per rank and their bytes scaled
-    by the experts a rank holds (V4 Pro's 23,424 experts take 13 s to build, even on meta)."""
+    by the experts a rank holds (building all of V4 Pro's takes seconds, even on meta:
+    docs/quantization.md, 'dsv4/engine/memory_plan.py')."""
     from ..model.loader import meta_model
 
     mc, T = config.model_config, config.tensor_parallel_size
@@ -165,6 +169,29 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
         plan.notes.append(f"note: serve builds missing compiled steps in a second process that loads its own "
                           f"copy of the weights ({_gib(weights).strip()}), only when that much is free")
     return plan
+
+
+def fit_default(config: Any, available: int | None = None) -> tuple[Any, str]:
+    """For a config built without --quantization: itself when its plan fits, else the first of
+    DEFAULT_ORDER this checkpoint takes whose plan fits, with a line saying why (else itself,
+    which `check` then refuses with the figures). `available` replaces this machine's memory.
+    Returns (config, note or "")."""
+    plan = memory_plan(config, available)
+    if plan.fits():
+        return config, ""
+    for q in DEFAULT_ORDER:
+        if q == config.quantization:
+            continue
+        try:
+            other = dataclasses.replace(config, quantization=q)
+            fits = memory_plan(other, available=plan.available).fits()
+        except EngineConfigError:  # a format this checkpoint cannot take
+            continue
+        if fits:
+            return other, (f"--quantization {q} chosen: as {config.quantization} the model needs "
+                           f"{_gib(plan.host_bytes).strip()}, over the {_gib(plan.available or 0).strip()} "
+                           f"available (give --quantization to choose)")
+    return config, ""
 
 
 def check(config: Any) -> MemoryPlan:

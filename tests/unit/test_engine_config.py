@@ -185,12 +185,15 @@ def test_prefill_limit_may_only_be_lowered_under_a_kernel_tile(ckpt: Path) -> No
 
 
 def test_a_budget_larger_than_a_step_can_use_is_refused(ckpt: Path) -> None:
+    """A step carries at most every slot's longest row (a whole prompt, or a decode row)."""
     c = EngineConfig.create(model=str(ckpt), max_model_len=256, max_num_seqs=2, num_speculative_tokens=1,
-                            max_num_batched_tokens=260)
-    assert c.effective_chunk_size == 256 and c.max_num_batched_tokens == 260  # the chunk: at most max_model_len
+                            max_num_batched_tokens=516)
+    assert c.effective_chunk_size == 256 and c.max_num_batched_tokens == 516  # the chunk: at most max_model_len
     msg = err(EngineConfig.create, model=str(ckpt), max_model_len=256, max_num_seqs=2, num_speculative_tokens=1,
-              max_num_batched_tokens=261)
-    assert msg.startswith("--max-num-batched-tokens 261 is more than a step can use") and "to 260" in msg
+              max_num_batched_tokens=517)
+    assert msg.startswith("--max-num-batched-tokens 517 is more than a step can use") and "to 516" in msg
+    small = EngineConfig.create(model=str(ckpt), max_model_len=64, max_num_seqs=1)  # the default chunk is 512
+    assert dataclasses.replace(small, seed=1).max_num_batched_tokens == small.max_num_batched_tokens
 
 
 def test_dtype_resolution(ckpt: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from dsv4.cli.main import main
+from dsv4.cli.options import engine_kwargs
 from dsv4.engine import memory_plan as M
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.checks import EngineConfigError
@@ -75,8 +76,37 @@ def test_a_plan_over_the_machine_is_refused_naming_figures_and_flags(tmp_path, m
     assert "over the" in msg and "available" in msg and "--quantization w8a8" in msg and "--max-model-len" in msg
     assert "\n" not in msg
     # through the CLI: one line, exit 2, before any weight is read
-    monkeypatch.setattr("dsv4.model.loader.load_model", lambda *a, **k: pytest.fail("loaded"))
+    import dsv4.engine.engine  # noqa: F401  (imported first, so that it binds the real load_model afterwards)
+
+    monkeypatch.setattr("dsv4.engine.engine.load_model", lambda *a, **k: pytest.fail("loaded"))
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    code = main(["run", "--local", "--model", str(tmp_path), "--max-tokens", "2", "--raw", "hi"])
+    code = main(["run", "--local", "--model", str(tmp_path), "--quantization", "none", "--max-tokens", "2",
+                 "--raw", "hi"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "dsv4 plan" in err, err
+
+
+def test_without_quantization_the_defaults_take_what_fits(tmp_path, monkeypatch, capsys):
+    """No --quantization: float32 where it fits (the exactness promise), else the checkpoint's
+    own formats (FP4 experts as stored), said in one line on stderr; never past memory."""
+    write_tiny_checkpoint(tmp_path, quantize=True)
+    c = EngineConfig.create(model=str(tmp_path))
+    assert c.quantization == "none" and M.fit_default(c) == (c, "")  # it fits this machine
+    need = M.memory_plan(c).host_bytes
+    chosen, note = M.fit_default(c, available=need - 1)
+    assert chosen.quantization == "mxfp4" and "--quantization mxfp4 chosen" in note and "\n" not in note
+    assert M.memory_plan(chosen, need - 1).fits()
+    smallest = M.memory_plan(EngineConfig.create(model=str(tmp_path), quantization="w8a8-mxfp4")).host_bytes
+    assert M.fit_default(c, available=smallest - 1) == (c, "")  # nothing fits: check() refuses it
+    # V4 Flash at 64k in 192 GB: FP4 experts as stored (bf16 for the rest) is the first that fits
+    flash = EngineConfig.create(model=str(FIXTURES / "deepseek-v4-flash"), planning=True, dtype="bfloat16",
+                                max_model_len=65536)
+    assert M.fit_default(flash, available=192 * 10**9)[0].quantization == "mxfp4"
+    # through the CLI (its own defaults: --compile's scratch slot): the run goes on in the chosen format
+    cli = EngineConfig.create(**engine_kwargs(model=tmp_path, compile=None))
+    cli_need = M.memory_plan(cli).host_bytes
+    monkeypatch.setattr(M, "available_memory", lambda: cli_need - 1)
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    code = main(["run", "--local", "--model", str(tmp_path), "--max-tokens", "2", "--raw", "--json", "hi"])
+    got = capsys.readouterr()
+    assert code == 0 and "--quantization mxfp4 chosen" in got.err, got.err
