@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsv4.agents.dsml import ContentDelta, DSMLStreamParser
 from dsv4.agents.encoding import EncodingError, check_tools
-from dsv4.http.stream import ReasoningSplitter
+from dsv4.agents.replies import Piece, Reply
 
 MAX_TOOLS_BYTES = 1 << 20
 
@@ -44,40 +43,39 @@ def read_tools(path: str) -> list[dict[str, Any]]:
 
 
 class ToolText:
-    """Splits an answer's text as it streams: reasoning (thinking mode) passes through,
-    the content after it goes through the DSML parser. `feed(text)` -> text to print;
-    `finish(cut)` -> the rest; then `calls` (OpenAI shape) and `content`."""
+    """Splits an answer's text as it streams (`dsv4.agents.replies.Reply`): reasoning (thinking
+    mode) passes through, the content after it goes through the DSML parser. `feed(text)` ->
+    text to print (the `</think>` tag printed where reasoning ends); `finish(cut)` -> the
+    rest; then `calls` (OpenAI shape), `content`, `reasoning` and `finish_reason`."""
 
     def __init__(self, tools: list[dict[str, Any]], thinking: bool) -> None:
-        self._split = ReasoningSplitter(thinking)
-        self._parser = DSMLStreamParser(tools)
-        self._in_reasoning = thinking
-        self.content = ""
-        self.reasoning = ""
+        self._reply = Reply(thinking, tools)
 
-    def _content(self, reasoning: str, content: str, final: bool, cut: bool) -> str:
-        events = self._parser.feed(content) + (self._parser.finish(cut) if final else [])
-        text = "".join(e.text for e in events if isinstance(e, ContentDelta))
-        self.content += text
-        self.reasoning += reasoning
-        tag = ""
-        if self._in_reasoning and not self._split.in_reasoning:  # the splitter took `</think>`: print it
-            self._in_reasoning, tag = False, "</think>"
-        return reasoning + tag + text
+    @staticmethod
+    def _printed(piece: Piece) -> str:
+        return piece.reasoning + ("</think>" if piece.ended_reasoning else "") + piece.content
 
     def feed(self, text: str) -> str:
-        return self._content(*self._split.feed(text), final=False, cut=False)
+        return self._printed(self._reply.feed(text))
 
     def finish(self, cut: bool) -> str:
-        return self._content(*self._split.flush(), final=True, cut=cut)
+        return self._printed(self._reply.finish(cut))
+
+    @property
+    def content(self) -> str:
+        return self._reply.content
+
+    @property
+    def reasoning(self) -> str:
+        return self._reply.reasoning
 
     @property
     def calls(self) -> list[dict[str, Any]]:
-        return self._parser.openai_calls()
+        return self._reply.calls
 
     @property
     def finish_reason(self) -> str | None:
-        return self._parser.finish_reason
+        return self._reply.finish_reason
 
 
 def check_choice(choice: str, tools: list[dict[str, Any]] | None) -> str:

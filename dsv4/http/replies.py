@@ -1,8 +1,8 @@
 """The daemon's replies to one HTTP request folded into OpenAI objects, whole or as stream chunks.
 
-Per choice, the text goes through two splitters in turn: `ReasoningSplitter` (thinking
-mode: before `</think>` is `reasoning_content`) and, when the request renders tools, the
-DSML tool-call parser (`dsv4.agents.dsml`): what the model writes as a
+Per choice, the text goes through a `dsv4.agents.replies.Reply`: thinking mode's reasoning
+(before `</think>`) becomes `reasoning_content` and, when the request renders tools, the
+DSML tool-call parser turns what the model writes as a
 `<｜DSML｜tool_calls>` block becomes `tool_calls` (streamed as `delta.tool_calls`:
 each call whole once its invoke closes) and never reaches `content`. A choice with
 complete calls finishes with `tool_calls`; one whose text ended inside a call with `length`,
@@ -18,11 +18,10 @@ import time
 import uuid
 from typing import Any
 
-from dsv4.agents.dsml import ContentDelta, DSMLStreamParser, Event, ToolCallArgs, ToolCallStart
+from dsv4.agents.replies import Piece, Reply
 from dsv4.daemon import protocol as P
 from dsv4.http import logprobs as L
 from dsv4.http.requests import ApiError, Parsed
-from dsv4.http.stream import ReasoningSplitter
 
 _DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_RATE_LIMITED: 429, P.ERR_INTERNAL: 500}
 
@@ -35,20 +34,6 @@ def daemon_error(msg: dict[str, Any]) -> ApiError:
     return ApiError(503 if reason == "abort" else 500, str(msg.get("error") or f"request ended: {reason}"))
 
 
-def _tool_deltas(events: list[Event]) -> tuple[str, list[dict[str, Any]]]:
-    """Parser events -> (content text, `delta.tool_calls` entries)."""
-    content, calls = "", []
-    for e in events:
-        if isinstance(e, ContentDelta):
-            content += e.text
-        elif isinstance(e, ToolCallStart):
-            calls.append({"index": e.index, "id": e.id, "type": "function",
-                          "function": {"name": e.name, "arguments": ""}})
-        elif isinstance(e, ToolCallArgs):
-            calls.append({"index": e.index, "function": {"arguments": e.text}})
-    return content, calls
-
-
 class Replies:
     """The replies of one HTTP request (`index`: request id -> choice)."""
 
@@ -59,9 +44,8 @@ class Replies:
         n = len(index)
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = int(time.time())
-        self.content, self.reasoning = [""] * n, [""] * n
-        self.splitters = [ReasoningSplitter(parsed.thinking) for _ in range(n)]
-        self.tools = [DSMLStreamParser(parsed.tools) if chat and parsed.tools else None for _ in range(n)]
+        self.replies = [Reply(parsed.thinking, parsed.tools if chat else None) for _ in range(n)]  # text so far
+        self.echo_sent = [""] * n  # the prompt text an echoing completion put before its answer
         self.reasons: list[str | None] = [None] * n
         self.prompt_tokens, self.completion_tokens, self.cached_tokens = [0] * n, [0] * n, [0] * n
         self.started = [False] * n
@@ -128,9 +112,7 @@ class Replies:
             self.last_time[i] = now
             m.observe_tokens(len(msg.get("token_ids") or ()))
             self._logprobs(i, msg)
-            reasoning, content = self.splitters[i].feed(msg.get("text") or "")
-            return self._delta(i, reasoning, content, None, final=False)
-        reasoning, content = self.splitters[i].flush()  # final
+            return self._delta(i, self.replies[i].feed(msg.get("text") or ""), None, final=False)
         usage = msg.get("usage") or {}
         self.prompt_tokens[i] = int(usage.get("prompt_tokens") or 0)
         self.cached_tokens[i] = int(usage.get("cached_tokens") or 0)
@@ -139,7 +121,7 @@ class Replies:
         m.observe_final(msg, now - self.t0)
         self.done.add(rid)
         self.finished += 1
-        return self._delta(i, reasoning, content, self.reasons[i], final=True)
+        return self._delta(i, self.replies[i].finish(cut=self.reasons[i] == "length"), self.reasons[i], final=True)
 
     def _logprobs(self, i: int, msg: dict[str, Any]) -> None:
         """Take a delta's logprobs (and, with echo, the prompt's) into choice i."""
@@ -171,19 +153,12 @@ class Replies:
         self.lp_new[i] = [] if self.chat else L.empty_completion()
         return {"content": new, "refusal": None} if self.chat else new
 
-    def _delta(self, i: int, reasoning: str, content: str, reason: str | None, final: bool
-               ) -> list[dict[str, Any]]:
-        calls: list[dict[str, Any]] = []
+    def _delta(self, i: int, piece: Piece, reason: str | None, final: bool) -> list[dict[str, Any]]:
+        reasoning, content, calls = piece.reasoning, piece.content, piece.calls
         if self.echo_text[i] is not None:  # the first text of an echoing completion starts with the prompt
-            content, self.echo_text[i] = self.echo_text[i] + content, None
-        parser = self.tools[i]
-        if parser is not None:
-            events = parser.feed(content) + (parser.finish(cut=reason == "length") if final else [])
-            content, calls = _tool_deltas(events)
-            if final and parser.finish_reason is not None:  # "length" inside a call, else "tool_calls"
-                reason = self.reasons[i] = parser.finish_reason
-        self.reasoning[i] += reasoning
-        self.content[i] += content
+            content, self.echo_sent[i], self.echo_text[i] = self.echo_text[i] + content, self.echo_text[i], None
+        if final and self.replies[i].finish_reason is not None:  # "length" inside a call, else "tool_calls"
+            reason = self.reasons[i] = self.replies[i].finish_reason
         if not (reasoning or content or calls or final):
             return []
         if self.chat:
@@ -221,7 +196,7 @@ class Replies:
     def release(self) -> None:
         """Drop the text and logprobs gathered (after `whole()` was rendered)."""
         n = len(self.index)
-        self.content, self.reasoning = [""] * n, [""] * n
+        self.replies, self.echo_sent = [Reply(False) for _ in range(n)], [""] * n
         self.lp_all = self.lp_new = [None] * n
         self.prompt_lp = self.prompt_raw = [None] * n
 
@@ -232,18 +207,17 @@ class Replies:
             if self.parsed.logprobs is not None:
                 logprobs = {"content": self.lp_all[i], "refusal": None} if self.chat else self.lp_all[i]
             extra = {"prompt_logprobs": self.prompt_lp[i]} if self.parsed.prompt_logprobs is not None else {}
+            reply = self.replies[i]
             if not self.chat:
-                choices.append({"index": i, "text": self.content[i], "logprobs": logprobs,
+                choices.append({"index": i, "text": self.echo_sent[i] + reply.content, "logprobs": logprobs,
                                 "finish_reason": self.reasons[i], **extra})
                 continue
-            message: dict[str, Any] = {"role": "assistant", "content": self.content[i]}
-            parser = self.tools[i]
-            calls = parser.openai_calls() if parser is not None else []
-            if calls:
-                message["content"] = self.content[i] or None
-                message["tool_calls"] = calls
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if reply.calls:
+                message["content"] = reply.content or None
+                message["tool_calls"] = reply.calls
             if self.parsed.thinking:
-                message["reasoning_content"] = self.reasoning[i]
+                message["reasoning_content"] = reply.reasoning
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": self.reasons[i],
                             **extra})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",

@@ -10,7 +10,7 @@ pytest.importorskip("starlette")
 from dsv4.cli.chat import Session  # noqa: E402
 from dsv4.http.requests import ApiError, parse_chat, parse_completion, thinking_of  # noqa: E402
 from dsv4.http.server import HttpError, parse_address  # noqa: E402
-from dsv4.http.stream import ReasoningSplitter  # noqa: E402
+from dsv4.agents.replies import ReasoningSplitter  # noqa: E402
 
 
 def test_completion_fields_map_to_sampling_params():
