@@ -81,13 +81,18 @@ class Session:
     def prompt(self, user_text: str | None) -> tuple[str | list[int], str]:
         """The prompt for the conversation plus `user_text` (None: after tool results), and its
         mode (raw)."""
-        from dsv4.engine.tokenizer import chat_prompt
+        from dsv4.agents.encoding import EncodingError
+        from dsv4.agents.prompts import chat_prompt
+        from dsv4.engine.tokenizer import TokenizerError
 
         msgs = self.messages + ([{"role": "user", "content": user_text}] if user_text is not None else [])
         if self.template and self.system:
             msgs = [{"role": "system", "content": self.system}] + msgs
         options = {"tools": self.tools, "tool_choice": self.tool_choice} if self.tools else {}
-        return chat_prompt(self.tokenizer, msgs, thinking=self.thinking and self.template, **options), "raw"
+        try:
+            return chat_prompt(self.tokenizer, msgs, thinking=self.thinking and self.template, **options), "raw"
+        except EncodingError as e:
+            raise TokenizerError(str(e)) from None
 
     def turn_params(self, user_text: str | None) -> dict[str, Any]:
         """The sampling parameters of a turn: a forced tool call on the user's turns only."""
@@ -142,6 +147,7 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
     """The interactive loop against the daemon; returns the exit status."""
     from dsv4.daemon.client import Client
     from dsv4.daemon.paths import resolve_endpoint
+    from dsv4.agents.prompts import no_template
     from dsv4.engine.tokenizer import Tokenizer, TokenizerError
 
     read = _readline()
@@ -154,9 +160,9 @@ def run_chat(socket: str | None, system: str | None = None, thinking: bool = Fal
             tokenizer = None
         session = Session(tokenizer, system, thinking, tools, tool_choice)
         if (system is not None or thinking or tools) and not session.template:
-            what = "--tools" if tools else "--think" if thinking else "--system"
-            raise CliError(f"{what}: this model has no chat template, so no "
-                           f"{'tools' if tools else 'thinking mode' if thinking else 'system prompt'}", O.EXIT_USAGE)
+            flag, what = ("--tools", "tools") if tools else ("--think", "thinking mode") if thinking else \
+                ("--system", "system prompt")
+            raise CliError(f"{flag}: {no_template(what)}", O.EXIT_USAGE)
         session.params.update(params or {})
         O.err(f"dsv4 chat with {Path(model).name or 'the daemon'} "
               f"({'chat template' if session.template else 'plain continuation'}"

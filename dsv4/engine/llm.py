@@ -14,7 +14,8 @@ from .config import EngineConfig
 from .engine import Engine, RequestOutput
 from .request import RequestError
 from .sampling import SamplingParams
-from .tokenizer import TokenizerError, chat_prompt
+from ..agents.encoding import EncodingError
+from ..agents.prompts import chat_prompt
 
 
 @dataclass
@@ -90,7 +91,7 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         try:
             prompts = [chat_prompt(self.engine.tokenizer, c, thinking=thinking) for c in convs]  # type: ignore[arg-type]
-        except TokenizerError as e:
+        except EncodingError as e:
             raise RequestError(str(e)) from None
         return self.generate(prompts, params, prompt_mode="raw")  # type: ignore[arg-type]
 

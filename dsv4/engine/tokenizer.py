@@ -5,10 +5,9 @@ Contract:
   BOS/EOS come from the config, else from DeepSeek's names.
 - `encode(text)` treats text as plain text: a special-token string inside it is tokenised as
   ordinary characters, never mapped to the special id.
-- `encode_chat(messages, ...)` renders a conversation in DeepSeek V4's encoding
-  (`dsv4.agents.encoding`) as ids, special tokens by id, so no content can inject them;
-  `encode_prompt(text, mode=...)` builds the single-turn chat prompt through it. A raw
-  prompt starts with BOS only where the tokenizer says so (`Tokenizer.add_bos`).
+- `encode_chat(messages, ...)` and `encode_prompt(text, mode=...)` render through
+  `dsv4.agents.prompts` (DeepSeek V4's encoding, special tokens by id, so no content can
+  inject them). A raw prompt starts with BOS only where the tokenizer says so (`add_bos`).
 - `IncrementalDetokenizer.push(id)` returns only completed text (never half of a UTF-8
   character); all pushes plus `flush()` equal `Tokenizer.decode(all_ids)` exactly.
 Details: docs/serving.md, 'dsv4/engine/tokenizer.py'.
@@ -18,18 +17,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Sequence
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from dsv4.agents.encoding import EncodingError
+from dsv4.agents.prompts import ASSISTANT_TOKEN, USER_TOKEN, PromptMode, render_chat, render_turn
+
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
-USER_TOKEN = "<｜User｜>"
-ASSISTANT_TOKEN = "<｜Assistant｜>"
 THINK_START_TOKEN = "<think>"
 THINK_END_TOKEN = "</think>"
 
-PromptMode = Literal["auto", "chat", "raw"]
 _REPLACEMENT = "\ufffd"
 _GIL_FREE_CHARS = 16 << 10  # texts this long are encoded without holding the GIL (same ids)
 
@@ -130,12 +129,6 @@ class Tokenizer:
         """Id of a token string (as in the vocabulary), or None."""
         return self._tok.token_to_id(token)
 
-    def _require(self, token: str) -> int:
-        i = self.token_to_id(token)
-        if i is None:
-            raise TokenizerError(f"tokenizer from {self.source} has no {token} token (hint: use raw prompt mode)")
-        return i
-
     # --- encode / decode --------------------------------------------------------------
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
@@ -155,57 +148,22 @@ class Tokenizer:
         """Text of `ids`; special tokens are kept unless `skip_special_tokens`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def encode_prompt(
-        self,
-        text: str,
-        *,
-        mode: PromptMode = "auto",
-        system: str | None = None,
-        thinking: bool = False,
-        add_bos: bool | None = None,
-        tools: Sequence[dict] | None = None,
-    ) -> list[int]:
-        """Prompt ids for one user turn (`tools`: OpenAI function tools, rendered as V4's
-        "## Tools" block after the system prompt; chat mode only).
-
-        chat: BOS + system + <｜User｜> + text + <｜Assistant｜> + (<think> if thinking else </think>).
-        raw:  (BOS +) text as is; `system` and `thinking` are ignored.
-        auto: chat when the vocabulary has the chat tokens, raw otherwise; then a `system`
-              prompt or `thinking` raises TokenizerError (the model has no chat template).
-        `add_bos` None: BOS for chat, `self.add_bos` (the tokenizer's files) for raw.
-        """
-        if mode not in ("auto", "chat", "raw"):
-            raise TokenizerError(f"unknown prompt mode {mode!r} (expected auto, chat or raw)")
-        if mode == "auto":
-            mode = "chat" if self.has_chat_tokens else "raw"
-            if mode == "raw" and (thinking or system or tools):  # refused, not ignored (as the HTTP API does)
-                raise TokenizerError(f"this model has no chat template, so no "
-                                     f"{'thinking mode' if thinking else 'system prompt' if system else 'tools'}")
-        if mode == "raw" and tools:
-            raise TokenizerError("tools need the chat template (not a raw prompt)")
-        if mode == "raw":
-            return self.encode(text, add_bos=self.add_bos if add_bos is None else add_bos)
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        return self.encode_chat(msgs, thinking=thinking, add_bos=add_bos is None or add_bos, tools=tools or None)
+    def encode_prompt(self, text: str, *, mode: PromptMode = "auto", system: str | None = None,
+                      thinking: bool = False, add_bos: bool | None = None,
+                      tools: Sequence[dict] | None = None) -> list[int]:
+        """Prompt ids for one user turn (`dsv4.agents.prompts.render_turn`); TokenizerError."""
+        try:
+            return render_turn(self, text, mode=mode, system=system, thinking=thinking, add_bos=add_bos, tools=tools)
+        except EncodingError as e:
+            raise TokenizerError(str(e)) from None
 
     def encode_chat(self, messages: Sequence[dict], *, thinking: bool = False, add_bos: bool = True,
-                    tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
-                    reasoning_effort: str | None = None, response_format: dict | None = None) -> list[int]:
+                    **options: Any) -> list[int]:
         """Prompt ids for an OpenAI-style conversation in DeepSeek V4's encoding
-        (`dsv4.agents.encoding`: system text bare, `<｜User｜>` turns, finished assistant turns
-        with their DSML tool calls and `<｜end▁of▁sentence｜>`, tool results merged into user
-        turns, the "## Tools" block), ending `<｜Assistant｜>` + (`<think>` if thinking else
-        `</think>`). Texts are encoded as plain text, so message content cannot inject special
-        tokens. Bad messages or options raise TokenizerError (one line).
-        """
-        from dsv4.agents.encoding import ChatOptions, EncodingError, encode_messages
-
-        for token in (USER_TOKEN, ASSISTANT_TOKEN):  # the usual message for a model without a chat template
-            self._require(token)
-        options = ChatOptions(thinking=thinking, reasoning_effort=reasoning_effort, tools=tools,
-                              tool_choice=tool_choice, response_format=response_format, add_bos=add_bos)
+        (`dsv4.agents.prompts.render_chat`: tools, tool_choice, reasoning_effort,
+        response_format); TokenizerError."""
         try:
-            return encode_messages(self, messages, options)
+            return render_chat(self, messages, thinking=thinking, add_bos=add_bos, **options)
         except EncodingError as e:
             raise TokenizerError(str(e)) from None
 
@@ -336,22 +294,3 @@ def _prepends_special(post_processor: object, bos_id: int, tok: HFTokenizer) -> 
     return isinstance(name, str) and tok.token_to_id(name) == bos_id
 
 
-def chat_prompt(tokenizer: Tokenizer | None, messages: Sequence[dict], *, thinking: bool = False,
-                **options: Any) -> str | list[int]:
-    """The prompt for a conversation, sent raw: token ids through DeepSeek V4's encoding
-    when the tokenizer has its chat tokens (`Tokenizer.encode_chat`, which takes `options`:
-    tools, tool_choice, reasoning_effort, response_format), else plain continuation text,
-    each message's content on its own line, ending with a newline (the embedded Shakespeare
-    model, which has no chat template, so no thinking mode and no such options)."""
-    if tokenizer is not None and tokenizer.has_chat_tokens:
-        return tokenizer.encode_chat(messages, thinking=thinking, **options)
-    if thinking:
-        raise TokenizerError("this model has no chat template, so no thinking mode")
-    unused = ("tool_choice", "tools") if options.get("tool_choice") == "none" else ("tool_choice",)
-    for name, value in options.items():
-        if value is not None and name not in unused:
-            raise TokenizerError(f"this model has no chat template, so no {name}")
-    text = "".join(str(m.get("content") or "") + "\n" for m in messages if m.get("content"))
-    if not text:
-        raise TokenizerError("the messages are empty")
-    return text

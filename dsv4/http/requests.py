@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from dsv4.agents.encoding import ChatOptions, EncodingError, check_tool_choice, check_tools, encode_messages, \
-    thinking_mode
-from dsv4.engine.tokenizer import TokenizerError, chat_prompt
+from dsv4.agents.encoding import EncodingError, check_tool_choice, check_tools, thinking_mode
+from dsv4.agents.prompts import chat_prompt, has_template
+from dsv4.engine.tokenizer import TokenizerError
 from dsv4.engine.params import MAX_BIAS as _MAX_BIAS
 from dsv4.engine.params import MAX_LOGPROBS
 from dsv4.http import logprobs as L
@@ -326,22 +326,15 @@ def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
     try:
         functions = check_tools(body.get("tools"))
         choice = check_tool_choice(body.get("tool_choice"), functions)
-        if tokenizer is not None and tokenizer.has_chat_tokens:
-            rf = body.get("response_format")  # rendered as DeepSeek's encoder does; the grammar enforces it
-            options = ChatOptions(thinking=thinking, reasoning_effort=body.get("reasoning_effort"),
-                                  tools=functions and body["tools"], tool_choice=body.get("tool_choice"),
-                                  response_format=rf if isinstance(rf, dict) and rf.get("type") != "text" else None)
-            return Chat(encode_messages(tokenizer, msgs, options), thinking, choice, functions)
+        options: dict[str, Any] = {"tools": (functions and body["tools"]) or None, "tool_choice": body.get("tool_choice"),
+                                   "reasoning_effort": body.get("reasoning_effort")}
+        rf = body.get("response_format")  # rendered as DeepSeek's encoder does (with a template); a grammar enforces it
+        if has_template(tokenizer) and isinstance(rf, dict) and rf.get("type") != "text":
+            options["response_format"] = rf
+        # without a template, what would change the prompt is refused (`prompts.chat_prompt`)
+        return Chat(chat_prompt(tokenizer, msgs, thinking=thinking, **options), thinking, choice, functions)
     except EncodingError as e:
         raise _bad(str(e), e.param) from None
-    if functions and choice != "none":  # no chat template: refused where they would change the prompt
-        raise _bad("this model has no chat template, so no tools", "tools")
-    if body.get("reasoning_effort") not in (None, "none"):
-        raise _bad("this model has no chat template, so no reasoning_effort", "reasoning_effort")
-    try:
-        return Chat(chat_prompt(tokenizer, msgs, thinking=thinking), thinking, choice, functions)
-    except TokenizerError as e:
-        raise _bad(str(e), "messages") from None
 
 
 def parse_chat(body: dict[str, Any], tokenizer: Any) -> Parsed:

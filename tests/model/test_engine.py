@@ -336,7 +336,7 @@ def test_generation_config_supplies_defaults(tmp_path):
 
 
 def test_llm_chat_sends_the_rendered_conversation(ckpt):
-    from dsv4.engine.tokenizer import chat_prompt
+    from dsv4.agents.prompts import chat_prompt
 
     llm = LLM(ckpt[0], num_speculative_tokens=0, max_model_len=512)
     msgs = [{"role": "user", "content": "ROMEO:"}, {"role": "assistant", "content": "Peace"},

@@ -251,7 +251,7 @@ def test_train_tokenizer_tool(tmp_path: Path) -> None:
 
 
 def test_multi_turn_chat_prompt(ds: Tokenizer, hf: HFTokenizer) -> None:
-    from dsv4.engine.tokenizer import chat_prompt
+    from dsv4.agents.prompts import chat_prompt
 
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
@@ -265,11 +265,11 @@ def test_multi_turn_chat_prompt(ds: Tokenizer, hf: HFTokenizer) -> None:
 
 
 def test_chat_prompt_without_template_is_plain_continuation() -> None:
-    from dsv4.engine.tokenizer import chat_prompt
+    from dsv4.agents.prompts import chat_prompt
 
     tiny = Tokenizer.from_dir(TINY_DIR)
     msgs = [{"role": "user", "content": "ROMEO:"}, {"role": "assistant", "content": "O, she doth teach"},
             {"role": "user", "content": "JULIET:"}]
     assert chat_prompt(tiny, msgs) == "ROMEO:\nO, she doth teach\nJULIET:\n"
-    with pytest.raises(TokenizerError, match="thinking"):
+    with pytest.raises(ValueError, match="no chat template, so no thinking"):  # agents' EncodingError
         chat_prompt(tiny, msgs, thinking=True)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from dsv4.agents.encoding import (EFFORT_PREAMBLES, ChatOptions, EncodingError, Special, encode_messages, render,
                                   to_ids, to_text)
-from dsv4.engine.tokenizer import Tokenizer, TokenizerError, chat_prompt
+from dsv4.agents.prompts import chat_prompt
+from dsv4.engine.tokenizer import Tokenizer, TokenizerError
 from dsv4.http.requests import ApiError, parse_chat, parse_detokenize, parse_tokenize
 from tests.checkpoints import deepseek_tokenizer_dir
 
@@ -198,8 +199,11 @@ def test_tokenizer_and_chat_prompt_route_through_the_encoder(ds):
         ds.encode_chat([{"role": "tool", "tool_call_id": "a", "content": "x"}])
     tiny = Tokenizer.from_dir(Path(__file__).parents[2] / "dsv4" / "assets" / "tiny-shakespeare")
     assert chat_prompt(tiny, CHAT[1:2], tools=[WEATHER], tool_choice="none") == "Hi\n"
-    with pytest.raises(TokenizerError, match="no chat template, so no tools"):
+    with pytest.raises(EncodingError, match="no chat template, so no tools") as e:  # one refusal, in agents
         chat_prompt(tiny, CHAT[1:2], tools=[WEATHER])
+    assert e.value.param == "tools"
+    with pytest.raises(TokenizerError, match="no chat template, so no system prompt"):
+        tiny.encode_prompt("Hi", system="Be brief.")
 
 
 def test_http_chat_fields_reach_the_encoder(ds):
