@@ -269,8 +269,8 @@ def _compiled_times(model, state, ctx: int, B: int, reps: int) -> dict:
     """--compile: the main model's decode buckets 1, 2 and 4 as the engine runs them
     (`CompiledSteps`: AOTInductor packages on a CPU, built into the private cache unless
     cached), timed on the same rows as the eager arm: ct1, ct2, ct4 and the build time."""
-    from dsv4.engine.compile_env import private_cache_dir
-    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.engine.compile.env import private_cache_dir
+    from dsv4.engine.compile.compiled import CompiledSteps
     from dsv4.model.state import Batch
 
     steps = CompiledSteps(model, state, B, with_mtp=False, cache_dir=private_cache_dir())

@@ -9,7 +9,7 @@ On a CPU the ranks share the cores, so T > 1 is slower than T = 1: the point is 
 communication costs. `plan_s_per_step` is rank 0's time sending the plan and the results
 of one step, through each plan transport of `--transports` at every T > 1
 (`broadcast_object_list` over the group, or the shared-memory channel of
-dsv4/engine/transport.py). With NCCL the collectives are asynchronous, so their time
+dsv4/engine/parallel/transport.py). With NCCL the collectives are asynchronous, so their time
 shows up in the synchronisations after them instead. Prints one JSON line per size and
 transport.
 """

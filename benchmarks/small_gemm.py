@@ -9,7 +9,7 @@ multiplied by M = 1, 2, 4, 8 and 16 rows: median CPU time per call and its ratio
 M = 1. A weight-bound matmul should cost about the same for 1 and 2 rows (the weight is
 read once either way); where 2 rows cost about twice 1, a decode step of 1 + K tokens
 pays for every token in full, which is what `--compile`'s C++ micro-GEMM avoids
-(dsv4/engine/compile_env.py `CPU_OPTIONS`, BENCHMARKS.md).
+(dsv4/engine/compile/env.py `CPU_OPTIONS`, BENCHMARKS.md).
 """
 
 from __future__ import annotations

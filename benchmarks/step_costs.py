@@ -12,7 +12,7 @@ CPU: other tenants of a shared machine do not count) or wall time on a GPU (sync
 with its ratio to the 1-token step. These are the costs `--num-speculative-tokens auto`
 weighs (the engine times the same dispatches while it serves).
 
-`--compile` adds a column for the captured dispatch of `--compile` (dsv4/engine/compiled.py:
+`--compile` adds a column for the captured dispatch of `--compile` (dsv4/engine/compile/compiled.py:
 `torch.compile(fullgraph=True, dynamic=False)` of the model's own `forward_batch` on a static
 decode dispatch (`Batch.static_step`), padded to its
 bucket of 1, 2, 4, 8 or 16 tokens; one compile per bucket, about two minutes each on a
@@ -50,8 +50,8 @@ def main() -> None:
     state = model.new_state(9, 1024, max_chunk=129, max_spec=4)  # slot 8: the compiled buckets' scratch
     steps = None
     if a.compile:
-        from dsv4.engine.compile_env import private_cache_dir
-        from dsv4.engine.compiled import CompiledSteps
+        from dsv4.engine.compile.env import private_cache_dir
+        from dsv4.engine.compile.compiled import CompiledSteps
 
         private_cache_dir()
         steps = CompiledSteps(model, state, 16, mode=a.compile_mode)

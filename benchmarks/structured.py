@@ -18,9 +18,9 @@ import statistics
 import time
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine import grammar as G
+from dsv4.engine.grammar.masks import masks as G
 from dsv4.engine import runner as R
-from dsv4.engine import verify as V
+from dsv4.engine.spec import verify as V
 
 PROMPTS = ["HAMLET:\nTo be, or not to be, that is the question:\nWhether 'tis nobler in the mind to suffer",
            "PROSPERO:\nOur revels now are ended. These our actors,\nAs I foretold you, were all spirits and",

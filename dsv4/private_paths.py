@@ -2,7 +2,7 @@
 cannot be trusted.
 
 Both the daemon's socket directory (`dsv4.daemon.paths`) and the compile cache, from
-which compiled code is loaded (`dsv4.engine.compiled`), must be directories of ours that
+which compiled code is loaded (`dsv4.engine.compile.compiled`), must be directories of ours that
 no other user can write to or repoint. The check lives here, below both, so that the
 engine does not import the daemon.
 

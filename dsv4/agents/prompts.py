@@ -6,7 +6,7 @@ mode); one without them (the embedded Shakespeare model) gets its text as is: a 
 a conversation continued as a transcript, one message a line. What only a template can
 render (a system prompt, thinking mode, tools, reasoning_effort, ...) is refused there in one
 line (`no_template`), never dropped. The engine's tokenizer (`Tokenizer.encode_prompt`,
-`encode_chat`), HTTP (`http/requests.py`) and `dsv4 chat` all render through here.
+`encode_chat`), HTTP (`http/openai_requests.py`) and `dsv4 chat` all render through here.
 Errors are `EncodingError` (a one-line message and the request field it concerns).
 """
 

@@ -267,7 +267,7 @@ def _exit_status(e: BaseException) -> tuple[int, str | None]:
     from dsv4.daemon.paths import PathError, UnsafePathError
     from dsv4.daemon.protocol import ERR_INVALID_PARAMS
 
-    ranks = sys.modules.get("dsv4.engine.ranks")  # loaded only if ranks ran (it imports torch)
+    ranks = sys.modules.get("dsv4.engine.parallel.ranks")  # loaded only if ranks ran (it imports torch)
 
     if isinstance(e, CliError):
         return e.code, str(e)

@@ -343,7 +343,7 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
     (status 0; 1 with one line when the group fails). Returns at once on rank 0 and
     outside torchrun (before anything reads stdin or binds a socket)."""
     from dsv4.engine.config import EngineConfigError
-    from dsv4.engine.launch import torchrun_launch
+    from dsv4.engine.parallel.launch import torchrun_launch
 
     try:
         launch = torchrun_launch()
@@ -352,7 +352,7 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
     if launch is None or launch.rank == 0:
         return
     config = build_config(kw, check_memory=False)  # rank 0 checked the host's plan
-    from dsv4.engine.ranks import RankError, serve_node
+    from dsv4.engine.parallel.ranks import RankError, serve_node
 
     try:
         code = serve_node(config)

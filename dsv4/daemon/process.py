@@ -196,7 +196,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
 
     setup_logging()
     if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
-        from dsv4.engine.ranks import serve_node
+        from dsv4.engine.parallel.ranks import serve_node
 
         log.info("node %d of %d: joining rank 0 at %s:%s", config.node_rank, config.nnodes, config.master_addr,
                  config.master_port)

@@ -176,7 +176,7 @@ def check_profile_dir(path: Any) -> str:
 
 def weight_names(model_dir: Path) -> set[str]:
     """Tensor names of a checkpoint, from the index or the safetensors headers only."""
-    from ..model.checkpoint import CheckpointError, tensor_names
+    from dsv4.model.checkpoint import CheckpointError, tensor_names
 
     try:
         return tensor_names(model_dir)

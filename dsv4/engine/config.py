@@ -24,10 +24,10 @@ from typing import Any
 from dsv4.config import ConfigError, ModelConfig, block_entry_bytes, state_block_size
 from dsv4 import draft_vocab
 
-from .checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
+from dsv4.engine.checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
                      weight_names)
-from .launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
+from dsv4.engine.parallel.launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
 QUANTIZATION_LINES = {  # the banner's words for each --quantization
     "none": "unquantised",
@@ -69,7 +69,7 @@ class EngineConfig:
     master_port: int | None = None
     rendezvous_timeout: float = 60.0
     plan_transport: str = "auto"  # built: "shm" (one host, T > 1) or "object"; no flag (LLM, benchmarks)
-    # --compile: decode dispatches captured per bucket at startup (engine/compiled.py); "auto" (the
+    # --compile: decode dispatches captured per bucket at startup (engine/compile/compiled.py); "auto" (the
     # CLI's default): the buckets cached load, serve builds the others in the background
     compile: bool | str = False
     kv_cache_memory: int | float | str | None = None  # --kv-cache-memory; built: bytes of the block pool

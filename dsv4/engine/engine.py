@@ -21,24 +21,24 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import fp4_kernel, int8pack
-from ..model.w8a8 import INT8_MODES
-from ..model.loader import load_model
-from .config import EngineConfig
-from .kvcache import BlockManager
-from .metrics import EngineMetrics, RequestMetrics
-from .logprobs import TokenTexts
-from .ranks import RankError, Ranks, agree_pool, gather_weight_bytes
-from .request import Request, RequestError
-from .runner import Runner
-from .verify import StepResult
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .calibration import calibrate
-from .spec_policy import SpecPolicy
-from .stop import StopChecker
-from .grammar import Grammars
-from .tokenizer import THINK_END_TOKEN, THINK_START_TOKEN, IncrementalDetokenizer, Tokenizer, TokenizerError, \
+from dsv4.model import fp4_kernel, int8pack
+from dsv4.model.w8a8 import INT8_MODES
+from dsv4.model.loader import load_model
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.kvcache import BlockManager
+from dsv4.engine.metrics import EngineMetrics, RequestMetrics
+from dsv4.engine.logprobs import TokenTexts
+from dsv4.engine.parallel.ranks import RankError, Ranks, agree_pool, gather_weight_bytes
+from dsv4.engine.request import Request, RequestError
+from dsv4.engine.runner import Runner
+from dsv4.engine.spec.verify import StepResult
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.spec.calibration import calibrate
+from dsv4.engine.spec.policy import SpecPolicy
+from dsv4.engine.stop import StopChecker
+from dsv4.engine.grammar.masks import Grammars
+from dsv4.engine.tokenizer import THINK_END_TOKEN, THINK_START_TOKEN, IncrementalDetokenizer, Tokenizer, TokenizerError, \
     TokenizerMissing
 
 log = logging.getLogger("dsv4.engine")
@@ -119,7 +119,7 @@ class Engine:
                             f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")
         if config.launch is not None and config.launch.rank > 0:
             raise RankError(f"RANK {config.launch.rank} (torchrun): only rank 0 has an engine; the other ranks "
-                            f"run dsv4.engine.ranks.serve_node(config) (the dsv4 commands do this themselves)")
+                            f"run dsv4.engine.parallel.ranks.serve_node(config) (the dsv4 commands do this themselves)")
         self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
         try:
             # w8a8 on one CPU: int8 weights prepacked for oneDNN (int8pack), unless --compile
@@ -144,7 +144,7 @@ class Engine:
                                                policy=self.policy)
         self.compile_note = ""  # the banner's line
         if config.compile:
-            from .compile_start import start_compiled
+            from dsv4.engine.compile.start import start_compiled
 
             self.compile_note = start_compiled(self.runner, config, progress)
         self.calibration_s = 0.0
@@ -266,8 +266,8 @@ class Engine:
         steps = self.runner.compiled
         if self.config.compile != "auto" or steps is None or not steps.missing() or self._builder is not None:
             return ""
-        from .checks import available_memory
-        from .compile_builder import spawn
+        from dsv4.engine.checks import available_memory
+        from dsv4.engine.compile.builder import spawn
 
         free = available_memory()
         if free is not None and free < 2 * self.weight_bytes:  # the builder loads its own copy of the weights
@@ -429,7 +429,7 @@ class Engine:
         the grammar workers."""
         self.grammars.close()
         if self._builder is not None:
-            from .compile_builder import stop
+            from dsv4.engine.compile.builder import stop
 
             stop(self._builder)
             self._builder = None

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .request import Request
+    from dsv4.engine.request import Request
 
 
 SAVE_EVERY = 8  # blocks between the saved rings of one long prefill (besides its last boundary)

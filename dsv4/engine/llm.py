@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-from ..assets import DEFAULT_MODEL
-from .config import EngineConfig
-from .engine import Engine, RequestOutput
-from .request import RequestError
-from .sampling import SamplingParams
-from ..agents.encoding import EncodingError
-from ..agents.prompts import chat_prompt
+from dsv4.assets import DEFAULT_MODEL
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.engine import Engine, RequestOutput
+from dsv4.engine.request import RequestError
+from dsv4.engine.sampling import SamplingParams
+from dsv4.agents.encoding import EncodingError
+from dsv4.agents.prompts import chat_prompt
 
 
 @dataclass

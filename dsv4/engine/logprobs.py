@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from dsv4.engine.tokenizer import Tokenizer
 
 
 @dataclass

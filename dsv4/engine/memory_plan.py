@@ -20,7 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checks import EngineConfigError, available_memory, machine_memory
+from dsv4.engine.checks import EngineConfigError, available_memory, machine_memory
 
 KINDS = [  # (label, pattern of the official names), first match wins
     ("routed experts", re.compile(r".*\.ffn\.experts\..*")),
@@ -89,7 +89,7 @@ def weight_parts(config: Any, exact: bool = False) -> list[Part]:
     alike, so unless `exact` the meta model is built with one per rank and their bytes scaled
     by the experts a rank holds (building all of V4 Pro's takes seconds, even on meta:
     docs/quantization.md, 'dsv4/engine/memory_plan.py')."""
-    from ..model.loader import meta_model
+    from dsv4.model.loader import meta_model
 
     mc, T = config.model_config, config.tensor_parallel_size
     scale = 1
@@ -124,7 +124,7 @@ def weight_parts(config: Any, exact: bool = False) -> list[Part]:
 
 def state_parts(config: Any) -> list[Part]:
     """The block pool, the slots' rings, the prefix cache's saved rings at most."""
-    from ..model.state import ModelState
+    from dsv4.model.state import ModelState
 
     K = config.num_speculative_tokens
     slots = config.max_num_seqs + (1 if config.compile is not False else 0)

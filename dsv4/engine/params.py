@@ -53,7 +53,7 @@ class SamplingParams:
     # token id -> added to its logit before penalties (-100..100); keys may arrive as decimal strings
     logit_bias: dict[int, float] | None = None
     # None = free text; {kind: value}, kind one of json_schema (a schema), json_object (true), regex,
-    # choice (strings), ebnf: the output follows that grammar (`grammar.py`; after </think> in thinking mode)
+    # choice (strings), ebnf: the output follows that grammar (`grammar/masks.py`; after </think> in thinking mode)
     structured: dict[str, Any] | None = None
     # vLLM's: requests share cached prefixes only with requests of the same salt (another tenant,
     # or a benchmark's arm, cannot hit, or time, what this one cached)
@@ -130,7 +130,7 @@ class SamplingParams:
                     raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {v}")
         _check_bias(self.logit_bias)
         if self.structured is not None:
-            from dsv4.engine.grammar import check_spec
+            from dsv4.engine.grammar.masks import check_spec
 
             check_spec(self.structured)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt

@@ -22,21 +22,21 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.profiler import record_function
 
-from ..model import parallel
-from ..model.model import DeepseekV4
-from ..model.state import Batch
-from .drafting import propose
-from .grammar import draft_masks
-from .kvcache import SavedRings
-from .plan import broadcast, plan_message
-from .request import Request
-from .scheduler import SchedulerOutput
-from .logprobs import TokenLogprob
-from .spec_policy import SpecPolicy
-from .verify import StepResult, prompt_logprobs, sample_verify
+from dsv4.model import parallel
+from dsv4.model.model import DeepseekV4
+from dsv4.model.state import Batch
+from dsv4.engine.spec.drafting import propose
+from dsv4.engine.grammar.masks import draft_masks
+from dsv4.engine.kvcache import SavedRings
+from dsv4.engine.parallel.step_plan import broadcast, plan_message
+from dsv4.engine.request import Request
+from dsv4.engine.scheduler import SchedulerOutput
+from dsv4.engine.logprobs import TokenLogprob
+from dsv4.engine.spec.policy import SpecPolicy
+from dsv4.engine.spec.verify import StepResult, prompt_logprobs, sample_verify
 
 if TYPE_CHECKING:
-    from .compiled import CompiledSteps
+    from dsv4.engine.compile.compiled import CompiledSteps
 
 
 class Runner:
@@ -94,7 +94,7 @@ class Runner:
     def execute(self, plan: SchedulerOutput) -> dict[int, StepResult]:
         """Run one step's plan (its prefill chunks, decode rows, block plan and K); returns
         results keyed by slot (prefill chunks that are not the last have none). Under tensor
-        parallelism rank 0 first sends the plan (`plan.py`)."""
+        parallelism rank 0 first sends the plan (`parallel/step_plan.py`)."""
         prefills, decodes, kv = plan.prefills, plan.decodes, plan.kv
         self.num_drafts = plan.num_drafts
         if parallel.world_size() > 1 and parallel.rank() == 0:

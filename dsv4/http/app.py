@@ -31,7 +31,7 @@ from dsv4.http.bridge import Bridge, DaemonUnavailable
 from dsv4.http.guard import decode_json
 from dsv4.http.metrics import Metrics
 from dsv4.http.page import routes as page_routes
-from dsv4.http.requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from dsv4.http.openai_requests import ApiError, Parsed, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 from dsv4.http.replies import Replies
 from dsv4.http.submit import DEFAULT_MAX_PROMPTS, check_output_budget, client_of, submit
 

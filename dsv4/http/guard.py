@@ -19,7 +19,7 @@ import os
 import traceback
 from typing import Any, Awaitable, Callable
 
-from dsv4.http.requests import ApiError
+from dsv4.http.openai_requests import ApiError
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

@@ -21,7 +21,7 @@ from typing import Any
 from dsv4.agents.replies import Piece, Reply
 from dsv4.daemon import protocol as P
 from dsv4.http import logprobs as L
-from dsv4.http.requests import ApiError, Parsed
+from dsv4.http.openai_requests import ApiError, Parsed
 
 _DAEMON_STATUS = {P.ERR_SHUTTING_DOWN: 503, P.ERR_BUSY: 503, P.ERR_RATE_LIMITED: 429, P.ERR_INTERNAL: 500}
 

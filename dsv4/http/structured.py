@@ -8,7 +8,7 @@ Read, at most one of them per request:
 * vLLM's `structured_outputs` (`json`, `json_object`, `regex`, `choice`, `grammar`; its
   whitespace and backend options are ignored) and its older `guided_*` extras.
 
-The result is a map `{kind: value}` (`dsv4.engine.grammar.KINDS`): the daemon compiles it,
+The result is a map `{kind: value}` (`dsv4.engine.grammar.masks.KINDS`): the daemon compiles it,
 and answers a grammar that does not compile, a schema over 64 KiB or a server without
 llguidance with a 400. Shapes wrong here are a 400 `ApiError` naming the field.
 """

@@ -18,7 +18,7 @@ import asyncio
 from typing import Any
 
 from dsv4.http.bridge import Bridge, DaemonBusy, DaemonUnavailable, MessageTooLarge
-from dsv4.http.requests import ApiError, Parsed
+from dsv4.http.openai_requests import ApiError, Parsed
 
 DEFAULT_MAX_PROMPTS = 64
 MAX_USER_CHARS = 128

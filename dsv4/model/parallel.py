@@ -1,6 +1,6 @@
 """Tensor and expert parallelism: the process group and every collective the model runs
 (one grep for `parallel.` finds them all). Which slice each rank holds is `sharding.py`;
-the engine's per-step messages between ranks are `dsv4/engine/plan.py`.
+the engine's per-step messages between ranks are `dsv4/engine/parallel/step_plan.py`.
 
 The collectives of DeepSeek's reference layout (docs/distributed-layout.md): `all_reduce`
 (fp32 sum: after `wo_b`, after the MoE, of the indexer's scores, of the embedding),

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.engine.compile_env import CompileUnavailable, check_backend
+from dsv4.engine.compile.env import CompileUnavailable, check_backend
 from tests.checkpoints import write_tiny_checkpoint
 from tests.e2e.util import Daemon, dsv4, env_for, wait_until
 from tests.model.test_compiled import SMALL

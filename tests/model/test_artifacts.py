@@ -1,4 +1,4 @@
-"""--compile's AOTInductor packages (dsv4/engine/artifacts.py) on the 1-layer SMALL model.
+"""--compile's AOTInductor packages (dsv4/engine/compile/artifacts.py) on the 1-layer SMALL model.
 
 One package is built (the main bucket of 1 token, ~20-40 s on a 2-core machine) and
 reused by every case: a warm start through `CompiledSteps.capture` loads it (no
@@ -17,9 +17,9 @@ import shutil
 import pytest
 import torch
 
-from dsv4.engine import artifacts
-from dsv4.engine.compile_env import CompileUnavailable, check_backend, private_cache_dir
-from dsv4.engine.compiled import CompiledSteps
+from dsv4.engine.compile import artifacts
+from dsv4.engine.compile.env import CompileUnavailable, check_backend, private_cache_dir
+from dsv4.engine.compile.compiled import CompiledSteps
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.state import Batch
 from tests.model.tiny import tiny_config

@@ -102,7 +102,7 @@ def test_calibration_times_every_part_and_leaves_no_trace(tiny_checkpoint):
     ends, and the host tables (choosing tokens, proposing drafts) with sampling parameters;
     it leaves every slot empty, its blocks as they were, and the global RNG where it was (an
     unseeded request's draws do not depend on whether auto K calibrated)."""
-    from dsv4.engine.calibration import calibrate
+    from dsv4.engine.spec.calibration import calibrate
 
     llm = LLM(tiny_checkpoint, num_speculative_tokens="auto", max_num_seqs=4, max_model_len=256)
     runner, pol = llm.engine.runner, llm.engine.policy

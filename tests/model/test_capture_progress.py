@@ -15,7 +15,7 @@ from typing import Any, Callable
 import pytest
 
 from dsv4.daemon.process import ProgressBar
-from dsv4.engine.compiled import CompiledSteps
+from dsv4.engine.compile.compiled import CompiledSteps
 from dsv4.model.model import DeepseekV4, init_random
 from tests.model.tiny import tiny_config
 

@@ -1,4 +1,4 @@
-"""`--compile` (dsv4/engine/compiled.py) on a small random checkpoint, fp32 on CPU.
+"""`--compile` (dsv4/engine/compile/compiled.py) on a small random checkpoint, fp32 on CPU.
 
 * Compiled equals eager: greedy chains token for token with MTP K = 1, prompts across
   chunk boundaries (the verify and draft dispatches run captured; prefill chunks eager),
@@ -37,7 +37,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.compile_env import (CompileUnavailable, buckets, check_backend, private_cache_dir,
+from dsv4.engine.compile.env import (CompileUnavailable, buckets, check_backend, private_cache_dir,
                                      recheck_cache_dir)
 from tests.checkpoints import write_tiny_checkpoint
 from tests.e2e.util import dsv4, env_for
@@ -80,11 +80,11 @@ def test_compiled_greedy_equals_eager(ckpt, cache_home, k, path, monkeypatch):
     """Both ways a bucket compiles: an AOTInductor package (a CPU with one rank), and
     torch.compile, which is also where a bucket goes when its package cannot be built."""
     one = buckets(1 + k)[-1:]  # the one bucket every dispatch of this test fits (see the docstring)
-    monkeypatch.setattr("dsv4.engine.compiled.buckets", lambda max_tokens: list(one))
+    monkeypatch.setattr("dsv4.engine.compile.compiled.buckets", lambda max_tokens: list(one))
     if path == "torch.compile":
         def no_package(*args, **kwargs):
             raise RuntimeError("export failed (this test)")
-        monkeypatch.setattr("dsv4.engine.artifacts.obtain", no_package)
+        monkeypatch.setattr("dsv4.engine.compile.artifacts.obtain", no_package)
     try:
         check_backend(torch.device("cpu"))
     except CompileUnavailable as e:  # the fallback itself is test_no_compiler_falls_back_to_eager
@@ -191,7 +191,7 @@ def test_cache_dir_below_a_shared_directory_refused_and_rechecked(tmp_path, monk
     d.symlink_to(d.parent / "moved")
     with pytest.raises(CompileUnavailable, match="is a symlink"):
         recheck_cache_dir(d)
-    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.engine.compile.compiled import CompiledSteps
     from dsv4.model.model import DeepseekV4, init_random
     from tests.model.tiny import tiny_config
 
@@ -214,7 +214,7 @@ def test_unsafe_cache_dir_runs_eager(ckpt, tmp_path, monkeypatch):
 def test_failed_capture_names_its_bucket_and_runs_eager():
     """A bucket whose capture raises is named in one line and left to eager; the others run
     captured (here the uncompiled program stands in for the compiled one: no compile time)."""
-    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.engine.compile.compiled import CompiledSteps
     from dsv4.model.model import DeepseekV4, init_random
     from dsv4.model.state import Batch
     from tests.model.tiny import tiny_config
@@ -248,7 +248,7 @@ def test_a_bucket_slower_than_eager_runs_eager(caplog):
     import logging
     import time
 
-    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.engine.compile.compiled import CompiledSteps
     from dsv4.model.model import DeepseekV4, init_random
     from dsv4.model.state import Batch
     from tests.model.tiny import tiny_config
@@ -279,7 +279,7 @@ def test_a_bucket_slower_than_eager_runs_eager(caplog):
 def test_a_context_past_the_compiled_span_runs_eager():
     """A compiled step attends over `state.static_len` positions (2048 at most, its masks span
     them all); a decode row past them goes to eager, whose cost follows the context."""
-    from dsv4.engine.compiled import CompiledSteps
+    from dsv4.engine.compile.compiled import CompiledSteps
     from dsv4.model.model import DeepseekV4, init_random
     from dsv4.model.state import Batch
     from tests.model.tiny import tiny_config

@@ -200,7 +200,7 @@ def test_sampled_output_with_mtp_equals_without(tmp_path, monkeypatch):
     promise), though their drafts are now keyed draws from the MTP's distribution. Unseeded
     requests go through rejection sampling against the q their drafts were drawn from (its
     distribution is tested in tests/unit/test_sampled_drafts.py); here they draft, verify and finish."""
-    import dsv4.engine.verify as runner_mod  # sample_verify calls verify_sampled
+    import dsv4.engine.spec.verify as runner_mod  # sample_verify calls verify_sampled
     write_tiny_checkpoint(tmp_path, vocab_size=8, with_tokenizer=False, seed=7)
     n = 64
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i, ignore_eos=True) for i in range(n)]

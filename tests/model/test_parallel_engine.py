@@ -21,8 +21,8 @@ import torch
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.config import EngineConfig, EngineConfigError
-from dsv4.engine.ranks import RankError
-from dsv4.engine import plan
+from dsv4.engine.parallel.ranks import RankError
+from dsv4.engine.parallel import step_plan as plan
 from tests.checkpoints import write_tiny_checkpoint
 from tests.model.conftest import assert_chains_agree
 from tests.model.test_rendezvous import listening

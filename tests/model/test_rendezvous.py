@@ -92,7 +92,7 @@ def test_store_listens_on_the_master_address_only_and_closes_once_joined(tmp_pat
 
 def test_master_address_not_on_this_host_is_one_line(tiny_checkpoint: Path) -> None:
     from dsv4.engine.config import EngineConfig
-    from dsv4.engine.ranks import RankError, Ranks
+    from dsv4.engine.parallel.ranks import RankError, Ranks
 
     config = EngineConfig.create(str(tiny_checkpoint), tensor_parallel_size=2, nnodes=2, node_rank=0,
                                  master_addr="192.0.2.1", master_port=29555)

@@ -1,4 +1,4 @@
-"""Structured outputs (dsv4/engine/grammar.py) through the engine on a tiny random checkpoint:
+"""Structured outputs (dsv4/engine/grammar/masks.py) through the engine on a tiny random checkpoint:
 JSON schema, regex and choice outputs follow their grammar, greedy and sampled; MTP K = 2
 gives the same tokens as K = 0 whatever the drafts (the model's own, an oracle's, drafts the
 grammar forbids: rejected), so the matcher's rollback is exact; thinking mode constrains only
@@ -165,7 +165,7 @@ def test_ignore_eos_still_ends_at_the_grammar_end(llms):
 
 
 def test_mask_cost_is_nothing_for_free_requests(llms, monkeypatch):
-    import dsv4.engine.verify as V
+    import dsv4.engine.spec.verify as V
 
     called = []
     monkeypatch.setattr(V, "grammar_rows", lambda *a: called.append(1))
@@ -176,7 +176,7 @@ def test_mask_cost_is_nothing_for_free_requests(llms, monkeypatch):
 def test_thinking_mode_constrains_after_think_end(tmp_path):
     """A prompt ending in <think> is free until </think>: a logit_bias making </think> the first
     token is obeyed there (a constrained row forbids it), then the JSON follows."""
-    from dsv4.engine.grammar import GrammarState
+    from dsv4.engine.grammar.masks import GrammarState
 
     class Matcher:  # records what the grammar sees (llguidance's LLMatcher calls, every token allowed in)
         def __init__(self):

@@ -1,4 +1,4 @@
-"""The shared-memory plan channel (dsv4/engine/transport.py) between 2 gloo ranks: messages
+"""The shared-memory plan channel (dsv4/engine/parallel/transport.py) between 2 gloo ranks: messages
 arrive whole and in order, a message larger than the buffer goes through the group,
 bytes that do not unpickle and a header out of sequence raise `TransportError` on the
 receiving rank, and nothing is left in /dev/shm (the name is gone as soon as both ranks
@@ -21,7 +21,7 @@ MESSAGES = [None, {"a": [1, 2, 3]}, list(range(5000)), ("x" * 40, 7), list(range
 
 
 def _channel_work(rank: int, world: int) -> list:
-    from dsv4.engine.transport import ShmChannel, TransportError
+    from dsv4.engine.parallel.transport import ShmChannel, TransportError
 
     ch = ShmChannel(capacity=64)
     leftovers = glob.glob(f"/dev/shm/dsv4-plan-{os.getppid() if rank else os.getpid()}-*")
@@ -55,8 +55,8 @@ def test_waiting_for_a_dead_rank_checks_its_liveness() -> None:
     """Rank 0 waits for the acks of the previous message; `check` (Ranks.check) runs meanwhile."""
     import mmap
 
-    from dsv4.engine.ranks import RankError
-    from dsv4.engine.transport import ShmChannel
+    from dsv4.engine.parallel.ranks import RankError
+    from dsv4.engine.parallel.transport import ShmChannel
 
     ch = object.__new__(ShmChannel)
     ch.world, ch.buf, calls = 2, mmap.mmap(-1, 16), []  # rank 1's ack slot stays 0

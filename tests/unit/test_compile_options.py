@@ -8,7 +8,7 @@ import pytest
 import dsv4
 from dsv4.cli.options import engine_argv, engine_kwargs
 from dsv4.daemon.process import SETTING_FLAGS
-from dsv4.engine.compile_env import buckets
+from dsv4.engine.compile.env import buckets
 from dsv4.engine.config import EngineConfig, EngineConfigError
 
 

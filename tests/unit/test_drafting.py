@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.engine.drafting import propose
+from dsv4.engine.spec.drafting import propose
 from dsv4.engine.request import Request
 from dsv4.engine.sampling import SamplingParams, apply_penalties, keyed_sample, logits_to_probs
 

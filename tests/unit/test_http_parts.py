@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("starlette")
 
 from dsv4.cli.chat import Session  # noqa: E402
-from dsv4.http.requests import ApiError, parse_chat, parse_completion, thinking_of  # noqa: E402
+from dsv4.http.openai_requests import ApiError, parse_chat, parse_completion, thinking_of  # noqa: E402
 from dsv4.http.server import HttpError, parse_address  # noqa: E402
 from dsv4.agents.replies import ReasoningSplitter  # noqa: E402
 

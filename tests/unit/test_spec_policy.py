@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.engine.spec_policy import CostTable, SpecPolicy
+from dsv4.engine.spec.policy import CostTable, SpecPolicy
 
 MS = 1e-3
 

@@ -16,7 +16,7 @@ pytest.importorskip("starlette")
 openai_types = pytest.importorskip("openai.types.chat")
 
 from dsv4.http.replies import Replies  # noqa: E402
-from dsv4.http.requests import Parsed  # noqa: E402
+from dsv4.http.openai_requests import Parsed  # noqa: E402
 from tests.checkpoints import deepseek_tokenizer_dir  # noqa: E402
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -14,7 +14,7 @@ from dsv4.agents.encoding import (EFFORT_PREAMBLES, ChatOptions, EncodingError, 
                                   to_ids, to_text)
 from dsv4.agents.prompts import chat_prompt
 from dsv4.engine.tokenizer import Tokenizer, TokenizerError
-from dsv4.http.requests import ApiError, parse_chat, parse_detokenize, parse_tokenize
+from dsv4.http.openai_requests import ApiError, parse_chat, parse_detokenize, parse_tokenize
 from tests.checkpoints import deepseek_tokenizer_dir
 
 B, E, U, A = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"

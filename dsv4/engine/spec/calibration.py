@@ -11,7 +11,7 @@ with `params` (the engine's default sampling) on random logits.
 Serving moves each table's level to what the requests in flight cost (`CostTable`); the
 calibration only fixes how the costs grow with the token and row counts. The slots are freed
 again and the global RNG left as it was. Why it is timed this way, with the measurements:
-docs/serving.md, 'dsv4/engine/calibration.py'.
+docs/serving.md, 'dsv4/engine/spec/calibration.py'.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model.state import Batch
-from .drafting import propose
-from .params import SamplingParams
-from .request import Request
-from .verify import sample_verify
+from dsv4.model.state import Batch
+from dsv4.engine.spec.drafting import propose
+from dsv4.engine.params import SamplingParams
+from dsv4.engine.request import Request
+from dsv4.engine.spec.verify import sample_verify
 
 if TYPE_CHECKING:
-    from .runner import Runner
+    from dsv4.engine.runner import Runner
 
 
 def _best(fn, repeats: int) -> float:
@@ -108,7 +108,7 @@ def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: i
 def _typical(xs: list[float]) -> float:
     """The mean of the runs within 1.5x their median: each phase counts, a run a neighbour's
     burst of work slowed down does not (an example: docs/serving.md,
-    'dsv4/engine/calibration.py')."""
+    'dsv4/engine/spec/calibration.py')."""
     med = sorted(xs)[len(xs) // 2]
     kept = [x for x in xs if x <= 1.5 * med]
     return sum(kept) / len(kept)

@@ -1,7 +1,7 @@
 """One grammar-compile worker process: a structured-output spec in, a checked llguidance grammar
 out (`grammar_compile.CompilePool` starts, feeds and kills it).
 
-    python -m dsv4.engine.grammar_worker FD      # FD: its end of a socketpair
+    python -m dsv4.engine.grammar.worker FD      # FD: its end of a socketpair
 
 Messages (pickled by `multiprocessing.connection`): first the vocabulary (answered "ready"
 once its tokenizer is built); then ("compile", spec, light_only) -> ("ok", grammar),
@@ -10,7 +10,7 @@ once its tokenizer is built); then ("compile", spec, light_only) -> ("ok", gramm
 vocabulary, and a matcher built and asked for its first mask, so every cost of the grammar
 is paid here, within the pool's time budget, and a grammar llguidance refuses (or that hits
 its parser limits) is a one-line error. The process exits when its parent's end closes.
-Details: docs/serving.md, 'dsv4/engine/grammar_worker.py'.
+Details: docs/serving.md, 'dsv4/engine/grammar/worker.py'.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def is_light(grammar: str) -> bool:
 def tokenizer(vocab: dict[str, Any]) -> Any:
     """llguidance's tokenizer of `Grammars._tokenizer_info`'s message, ready for masks (seconds
     for V4's 129k ids, most of it the token trie its first matcher builds: docs/serving.md,
-    'dsv4/engine/grammar.py')."""
+    'dsv4/engine/grammar/masks.py')."""
     import llguidance as llg
 
     from tokenizers import Tokenizer as HFTokenizer

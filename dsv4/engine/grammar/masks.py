@@ -10,7 +10,7 @@ Lark) turned by llguidance into per-token masks, kept exact under MTP speculativ
 * `draft_masks` (the MTP's logits masked the same way), `apply_masks` (-inf where forbidden).
 
 Once the answer is complete only EOS is allowed, and the scheduler ends a constrained
-request at EOS even under `ignore_eos`. Details: docs/serving.md, 'dsv4/engine/grammar.py'.
+request at EOS even under `ignore_eos`. Details: docs/serving.md, 'dsv4/engine/grammar/masks.py'.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ import json
 import threading
 from typing import TYPE_CHECKING, Any, Sequence
 
-from .errors import RequestError
+from dsv4.engine.errors import RequestError
 
 if TYPE_CHECKING:  # torch is imported where tensors are made: `check_spec` runs in params.py, without torch
     from concurrent.futures import Future
 
     import torch
 
-    from .grammar_compile import CompilePool, Compiled
+    from dsv4.engine.grammar.compile_pool import CompilePool, Compiled
 
-    from .tokenizer import Tokenizer
+    from dsv4.engine.tokenizer import Tokenizer
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "ebnf")
 MAX_SPEC_BYTES = 64 << 10  # a spec's JSON: larger schemas are refused
@@ -86,7 +86,7 @@ class Grammars:
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    from .grammar_compile import CompilePool, Compiled
+                    from dsv4.engine.grammar.compile_pool import CompilePool, Compiled
 
                     self._pool = CompilePool(self._tokenizer_info, budget_s=self.budget_s)
         return self._pool.submit(spec)
@@ -106,9 +106,9 @@ class Grammars:
     def _tokenizer_info(self) -> tuple[dict[str, Any], "Future"]:
         """The workers' vocabulary message and a Future of llguidance's tokenizer of it (built
         once, the message on the compile pool's thread, the tokenizer on a thread of its own:
-        seconds for V4's 129k ids, docs/serving.md, 'dsv4/engine/grammar.py')."""
+        seconds for V4's 129k ids, docs/serving.md, 'dsv4/engine/grammar/masks.py')."""
         try:
-            from .grammar_worker import tokenizer
+            from dsv4.engine.grammar.worker import tokenizer
             import llguidance  # noqa: F401
         except ImportError:
             raise RequestError(f"structured outputs need llguidance, which is not installed: {INSTALL_HINT}") \
@@ -225,7 +225,7 @@ def apply_masks(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor
 def unpack(words: "torch.Tensor", v: int, *, numpy: bool = True) -> "torch.Tensor":
     """Bitmask rows [n, W] int32 (bit b of word w: token 32 w + b) -> allowed [n, v] bool, by
     numpy's unpackbits (CPU: one pass, the faster) or through a byte table in torch (any
-    device; timings: docs/serving.md, 'dsv4/engine/grammar.py')."""
+    device; timings: docs/serving.md, 'dsv4/engine/grammar/masks.py')."""
     import torch
 
     words = words.contiguous()

@@ -11,7 +11,7 @@ rank; RANK 0 runs the engine, the others `serve_node`) form the same group diffe
 Failure: a dead rank makes the next collective fail on the others; rank 0 also checks the
 workers' liveness before each step (`check`), and a worker exits when its pipe from rank 0
 closes. `close` sends the stop message, then terminates what is left.
-Details: docs/distributed.md, 'dsv4/engine/ranks.py'.
+Details: docs/distributed.md, 'dsv4/engine/parallel/ranks.py'.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..model import parallel
-from . import plan
+from dsv4.model import parallel
+from dsv4.engine.parallel import step_plan as plan
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 COLLECTIVE_TIMEOUT_S = 60.0
@@ -79,7 +79,7 @@ def _join(rank: int, config: Any, addr: str, port: int, dev: str, listener: sock
                   timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
                   serve_store=False if agent else None, listener=listener)
     if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
-        from .transport import ShmChannel
+        from dsv4.engine.parallel.transport import ShmChannel
 
         plan.use_channel(ShmChannel())
 
@@ -92,10 +92,10 @@ def _leave() -> None:
 
 def _follow_rank(rank: int, config: Any, dev: str) -> None:
     """Load rank `rank`'s shard (the group joined) and run rank 0's steps until it stops."""
-    from ..model.loader import load_model
-    from .calibration import calibrate
-    from .runner import Runner
-    from .spec_policy import SpecPolicy
+    from dsv4.model.loader import load_model
+    from dsv4.engine.spec.calibration import calibrate
+    from dsv4.engine.runner import Runner
+    from dsv4.engine.spec.policy import SpecPolicy
 
     model = load_model(config.model, device=dev, dtype=config.torch_dtype, quantization=config.quantization,
                        rank=rank, world=config.tensor_parallel_size, draft_vocab=config.draft_vocab_ids)
@@ -107,7 +107,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
     agree_pool(config)
     runner = Runner.for_config(model, config, torch.device(dev), policy, scratch_slot=bool(config.compile))
     if config.compile:  # as rank 0 does, at the same point: a capture runs collectives
-        from .compile_start import start_compiled
+        from dsv4.engine.compile.start import start_compiled
 
         start_compiled(runner, config)
     if policy is not None:

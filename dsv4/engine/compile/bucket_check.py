@@ -2,7 +2,7 @@
 
 A compiled program is not faster everywhere: on the DeepSeek V4 Flash-shaped slice a w8a8
 bucket ran far slower than eager, while the embedded model's buckets run several times faster
-(figures: docs/compile.md, 'dsv4/engine/bucket_check.py'). So each bucket, once captured or loaded, runs the same scratch dispatch
+(figures: docs/compile.md, 'dsv4/engine/compile/bucket_check.py'). So each bucket, once captured or loaded, runs the same scratch dispatch
 compiled and eager (the model's own code, uncompiled, on the same static dispatch: the
 same work), best of a few runs each, and stays compiled only when it is not slower than
 eager by more than `MARGIN`; otherwise it runs eager, with one log line giving both times.

@@ -8,7 +8,7 @@ unseeded ones from the global RNG (or `generator`), keeping q for rejection samp
 (`sampling.keyed_sample`), so their output never depends on the drafts. A row whose logits
 hold NaN, +inf or no finite value is drafted deterministically (the argmax of its finite
 logits, else token 0) with a one-hot q: it can lower acceptance, never change the output
-distribution. Details: docs/serving.md, 'dsv4/engine/drafting.py'.
+distribution. Details: docs/serving.md, 'dsv4/engine/spec/drafting.py'.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors
+from dsv4.engine.sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors
 
 if TYPE_CHECKING:
-    from .request import Request
+    from dsv4.engine.request import Request
 
 
 def finite_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..model import parallel
-from .request import Request
-from .sampling import SamplingParams
-from .scheduler import SchedulerOutput
+from dsv4.model import parallel
+from dsv4.engine.request import Request
+from dsv4.engine.sampling import SamplingParams
+from dsv4.engine.scheduler import SchedulerOutput
 
 _CHANNEL: Any = None  # a transport.ShmChannel on one host; None: through the group
 

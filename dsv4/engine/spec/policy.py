@@ -11,7 +11,7 @@ backlog, spread over `horizon` steps. Probes (K - 1 or K + 1 for `probe_steps` s
 priors weighed as `prior_weight` drafts per depth.
 
 Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling keeps
-the sampled distribution for any K. Details: docs/serving.md, 'dsv4/engine/spec_policy.py'.
+the sampled distribution for any K. Details: docs/serving.md, 'dsv4/engine/spec/policy.py'.
 """
 
 from __future__ import annotations

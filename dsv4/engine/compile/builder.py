@@ -30,7 +30,7 @@ log = logging.getLogger("dsv4.compile")
 def spawn(config: Any) -> subprocess.Popen:
     """Start the builder for `config` (an `EngineConfig`); the returned process's stdin stays
     open for as long as the builder should live."""
-    proc = subprocess.Popen([sys.executable, "-m", "dsv4.engine.compile_builder"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4.engine.compile.builder"], stdin=subprocess.PIPE,
                             stdout=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.stdin is not None
     data = pickle.dumps(config)
@@ -86,10 +86,10 @@ def main() -> int:
         pass
     import torch
 
-    from ..model.loader import load_model
-    from .compile_env import private_cache_dir
-    from .compiled import CompiledSteps
-    from .runner import Runner
+    from dsv4.model.loader import load_model
+    from dsv4.engine.compile.env import private_cache_dir
+    from dsv4.engine.compile.compiled import CompiledSteps
+    from dsv4.engine.runner import Runner
 
     torch.set_num_threads(1)
     model = load_model(config.model, device=config.device, dtype=config.torch_dtype,

@@ -8,7 +8,7 @@ pickles the message into a shared-memory buffer and broadcasts only an int64 hea
 larger than the buffer goes through the group; a header out of sequence or bytes that do
 not unpickle raise `TransportError`. The buffer's /dev/shm file is unlinked as soon as
 every rank has mapped it. `benchmarks/parallel.py --transports object,shm` measures both
-(BENCHMARKS.md). Details: docs/distributed.md, 'dsv4/engine/transport.py'.
+(BENCHMARKS.md). Details: docs/distributed.md, 'dsv4/engine/parallel/transport.py'.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Padding tokens write into a scratch slot (the state's last, owned by no request)
 state's bookkeeping is done for the real rows only. Compiled code lives in the private
 cache (`compile_env`); on the CPU a bucket is first looked up as an AOTInductor package
 (`artifacts`), a missing one built and saved, and one that fails to export or build is
-compiled with torch.compile. Details: docs/compile.md, 'dsv4/engine/compiled.py'.
+compiled with torch.compile. Details: docs/compile.md, 'dsv4/engine/compile/compiled.py'.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Callable
 
 import torch
 
-from ..model import parallel
-from ..model.attention import ROW_MIN
-from ..model.model import DeepseekV4
-from ..model.state import Batch, ModelState
-from . import artifacts
-from .compile_env import CompileUnavailable, buckets, compiler_settings, quiet_capture, recheck_cache_dir
+from dsv4.model import parallel
+from dsv4.model.attention import ROW_MIN
+from dsv4.model.model import DeepseekV4
+from dsv4.model.state import Batch, ModelState
+from dsv4.engine.compile import artifacts
+from dsv4.engine.compile.env import CompileUnavailable, buckets, compiler_settings, quiet_capture, recheck_cache_dir
 
 log = logging.getLogger("dsv4.compile")
 
@@ -142,7 +142,7 @@ class CompiledSteps:
         (`bucket_check`); a slower one is left eager (in `slower`, with one log line)."""
         if not self.time_buckets or self.device.type != "cpu" or parallel.world_size() > 1:
             return True
-        from .bucket_check import compare
+        from dsv4.engine.compile.bucket_check import compare
 
         ids, pos, slots = self._padded(None, n)
         hidden = self._hidden_in(self._no_hidden, n)

@@ -10,7 +10,7 @@ an event on its inbox, so no caller waits on a compile. Each worker is a process
 behind a schema that compiles for seconds in the large lane (`large_workers` processes).
 Each lane holds at most MAX_QUEUED jobs (then `RequestBusy`); identical specs in flight
 share one job; compiled grammars are cached (LRU of CACHE_SIZE).
-Details: docs/serving.md, 'dsv4/engine/grammar_compile.py'.
+Details: docs/serving.md, 'dsv4/engine/grammar/compile_pool.py'.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from .errors import RequestBusy, RequestError
+from dsv4.engine.errors import RequestBusy, RequestError
 
 log = logging.getLogger("dsv4.engine")
 
@@ -305,9 +305,9 @@ class _Worker:
         """A fresh worker process with the vocabulary; waits until it is ready."""
         ours, theirs = socket.socketpair()
         try:
-            root = str(Path(__file__).resolve().parents[2])  # where this dsv4 lives, first on the worker's path
+            root = str(Path(__file__).resolve().parents[3])  # where this dsv4 lives, first on the worker's path
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
-            self._proc = subprocess.Popen([sys.executable, "-m", "dsv4.engine.grammar_worker", str(theirs.fileno())],
+            self._proc = subprocess.Popen([sys.executable, "-m", "dsv4.engine.grammar.worker", str(theirs.fileno())],
                                           pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, env=env)
         finally:

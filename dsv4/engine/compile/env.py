@@ -10,7 +10,7 @@ the check before every bucket's compile (a failure leaves the remaining buckets 
 `buckets` are the token counts compiled; `check_backend` refuses a device inductor cannot
 compile for; `quiet_capture` keeps torch's deprecation chatter out of the terminal;
 `compiler_settings` is what a bucket's torch.compile runs under. Why: docs/compile.md,
-'dsv4/engine/compile_env.py'.
+'dsv4/engine/compile/env.py'.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from ..private_paths import PathError, check_private_dir, check_trusted_chain
+from dsv4.private_paths import PathError, check_private_dir, check_trusted_chain
 
 # Inductor on the CPU (measured on the embedded model, BENCHMARKS.md "--compile"):
 # - cpp_wrapper: the compiled step calls its kernels from C++, not from a generated Python
@@ -44,7 +44,7 @@ def _prefer_cpp_gemm(choices: list) -> list:
     """Autotuning's choices for one matmul cut to inductor's C++ GEMM where it applies (ATen's
     where it does not), so nothing is timed: timing costs a C++ build a matmul at capture,
     and the C++ GEMM won for 1 and 2 rows wherever both were timed, MKL's lead at 8 rows and
-    more being small (figures: docs/compile.md, 'dsv4/engine/compile_env.py')."""
+    more being small (figures: docs/compile.md, 'dsv4/engine/compile/env.py')."""
     from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
 
     if not _PREFER["active"]:  # another torch.compile of this process: left alone

@@ -10,7 +10,7 @@ Chat prompts are rendered to token ids by DeepSeek V4's encoding (`dsv4.agents.e
 when the tokenizer has its chat tokens (tools, `tool_choice`, reasoning, thinking mode);
 a model without them continues the messages' text. `parse_tokenize` gives POST /tokenize
 exactly the ids a chat (or completion) request would use. Which fields are honoured, and
-how: docs/http-api.md, 'dsv4/http/requests.py'.
+how: docs/http-api.md, 'dsv4/http/openai_requests.py'.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ shape, stride and dtype, rank and world, kind and bucket, state shapes, torch's 
 the CPU ISA, the source of dsv4/model/*.py), never weight values. A package loads only
 from the checked private cache, as a regular file of ours no one else can write, whose
 sha256 matches the one written after its build; anything else: one warning line, a rebuild.
-Details: docs/compile.md, 'dsv4/engine/artifacts.py'.
+Details: docs/compile.md, 'dsv4/engine/compile/artifacts.py'.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..model import int8pack, parallel
-from ..model.model import DeepseekV4
-from ..model.state import Batch, ModelState
-from ..private_paths import PathError, check_private_dir
+from dsv4.model import int8pack, parallel
+from dsv4.model.model import DeepseekV4
+from dsv4.model.state import Batch, ModelState
+from dsv4.private_paths import PathError, check_private_dir
 
 log = logging.getLogger("dsv4.compile")
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "model"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "model"
 INDUCTOR_CONFIGS: dict[str, Any] = {"aot_inductor.package_constants_in_so": False}
 SMALL_CONSTANT = 1 << 16  # elements: a tensor the model creates while tracing, kept as metadata values
 

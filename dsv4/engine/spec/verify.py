@@ -8,8 +8,8 @@ penalties counting the drafts before the row; then temperature, top-k, top-p, mi
 verification accepts exactly what a run without drafts would emit: greedy and seeded rows
 accept the drafts equal to the target's own choice (argmax or keyed draw), unseeded sampled
 rows use rejection sampling (`verify_sampled`). Rows with a grammar are masked first
-(`grammar.py`), so a draft it forbids is rejected. Token j's logprob comes from row j.
-Details: docs/serving.md, 'dsv4/engine/verify.py'.
+(`grammar/masks.py`), so a draft it forbids is rejected. Token j's logprob comes from row j.
+Details: docs/serving.md, 'dsv4/engine/spec/verify.py'.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from .grammar import apply_masks, new_bitmask
-from .logprobs import TokenLogprob, gather
-from .sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors, processed_logprobs, sample, \
+from dsv4.engine.grammar.masks import apply_masks, new_bitmask
+from dsv4.engine.logprobs import TokenLogprob, gather
+from dsv4.engine.sampling import adjust_logits, keyed_sample, logits_to_probs, params_tensors, processed_logprobs, sample, \
     verify_greedy, verify_sampled
 
 if TYPE_CHECKING:
-    from .request import Request
+    from dsv4.engine.request import Request
 
 # (request, first logits row, rows, drafts or None for a finished prefill)
 Sample = tuple["Request", int, int, "list[int] | None"]

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import EngineConfigError
+from dsv4.engine.checks import EngineConfigError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -86,7 +86,7 @@ def resolve_transport(transport: str, *, hosts: int, tensor_parallel_size: int) 
     """How rank 0 sends each step's plan (`engine.transport`): "auto" = shared memory when
     every rank is on this host (measured faster, BENCHMARKS.md), the group's object
     broadcast across hosts."""
-    from dsv4.engine.transport import SHM_DIR, TRANSPORTS
+    from dsv4.engine.parallel.transport import SHM_DIR, TRANSPORTS
 
     if transport not in TRANSPORTS:
         raise EngineConfigError(f"plan_transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")

@@ -18,9 +18,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..model import int8pack, parallel
-from .compile_env import CompileUnavailable, check_backend, private_cache_dir
-from .compiled import CompiledSteps
+from dsv4.model import int8pack, parallel
+from dsv4.engine.compile.env import CompileUnavailable, check_backend, private_cache_dir
+from dsv4.engine.compile.compiled import CompiledSteps
 
 log = logging.getLogger("dsv4.compile")
 
