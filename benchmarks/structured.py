@@ -18,7 +18,7 @@ import statistics
 import time
 
 from dsv4 import LLM, SamplingParams
-from dsv4.engine.grammar.masks import masks as G
+from dsv4.engine.grammar import masks as G
 from dsv4.engine import runner as R
 from dsv4.engine.spec import verify as V
 
