@@ -1,17 +1,17 @@
-"""Admission of requests into the daemon: the gate before decoding, the client table, and
+"""Admission of requests into the daemon: the gate before decoding, the request table, and
 text prompts to token ids.
 
-`Admission` is a part of `Server` (a mixin using the server's socket, engine, client table
-and limits), kept apart so each file stays readable:
+`Server` owns a `RequestTable` (clients, requests live in the engine, requests being
+prepared) and an `Admission` gate that reads the server's socket, engine and limits:
 
-    _admit(client, frames)   API key (hmac.compare_digest, first), client limit (busy),
+    admit(client, frames)    API key (hmac.compare_digest, first), client limit (busy),
                              one frame, frame size (over the --max-model-len limit: too_large)
-    _early_pong(...)         on the step watch's thread during a slow step: right-key pings
-    _drop_client(...)        a client gone or silent: its requests cancelled
-    _generate(...)           request limit (busy), sampling params, text byte limit (before
+    early_pong(...)          on the step watch's thread during a slow step: right-key pings
+    drop_client(...)         a client gone or silent: its requests cancelled
+    generate(...)            request limit (busy), sampling params, text byte limit (before
                              tokenizing), then tokenize inline (small) or on the worker (big);
                              a structured request's grammar compiles in the engine's pool
-    _collect_prepared()      requests whose prompts and grammars are ready go to the engine
+    collect_prepared()       requests whose prompts and grammars are ready go to the engine
 """
 
 from __future__ import annotations
@@ -73,45 +73,61 @@ class ClientState:
     requests: dict[str, str] = field(default_factory=dict)  # client request id -> engine request id
 
 
+@dataclass
+class RequestTable:
+    """Who is connected and which of their requests are in flight: owned by `Server`, read
+    and written by its `Admission` gate and its loop (one thread: the daemon's loop)."""
+
+    clients: dict[bytes, ClientState] = field(default_factory=dict)  # connection -> its state
+    live: dict[str, Live] = field(default_factory=dict)  # engine request id -> a request in the engine
+    pending: dict[str, Pending] = field(default_factory=dict)  # engine request id -> one being prepared
+    next_id: int = 0  # the next engine request id's number
+
+    def end_client(self, erid: str) -> str | None:
+        """The end client (`Generate.client`) an engine request id counts for."""
+        entry = self.live.get(erid) or self.pending.get(erid)
+        return entry.end_client if isinstance(entry, Live) else entry.req.client if entry is not None else None
+
+
 class Admission:
-    """Request admission for `Server` (see the module docstring); not used on its own."""
+    """The gate of a `Server` (module docstring): it holds the server (whose socket, engine,
+    limits and liveness it reads) and the server's `RequestTable`; the server calls `admit`,
+    `generate`, `collect_prepared`, `early_pong`, `pong`, `drop_client`, `reap_silent_clients`."""
 
-    _clients: dict[bytes, ClientState]
-    _live: dict[str, Live]
-    max_requests_per_client: int
-    deaf_s: float
-    _backlog: bool
-    _last_listen: float
-    _pending: dict[str, Pending]
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.table: RequestTable = server.requests
+        self.engine = server.engine
+        self._last_reap = time.monotonic()  # when silent clients were last looked for
 
-    def _admit(self, client: bytes, body: list[bytes]) -> tuple[ClientState, bytes] | None:
+    def admit(self, client: bytes, body: list[bytes]) -> tuple[ClientState, bytes] | None:
         """The gate before a message is decoded: API key (constant time), client limit, one
         frame, frame size. Returns (client state, frame), or None after an error reply."""
         unkeyed = self._unkeyed(body)
         if unkeyed is None:
-            self._send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
+            self.server.send(client, P.error(None, P.ERR_UNAUTHORIZED, "missing or wrong API key: this daemon needs "
                                        "--api-key or DSV4_API_KEY"), reap=False)
             return
         body = unkeyed
         now = time.monotonic()
-        state = self._clients.get(client)
+        state = self.table.clients.get(client)
         if state is None:
-            if len(self._clients) >= self.max_clients:  # forget clients with nothing in flight first
-                for idle in [c for c, st in self._clients.items() if not st.requests]:
-                    del self._clients[idle]
-            if len(self._clients) >= self.max_clients:
-                self._send(client, P.error(P.request_id_of(body[-1]) if body else None, P.ERR_BUSY,
-                                           f"the dsv4 daemon is busy: {len(self._clients)} "
+            if len(self.table.clients) >= self.server.max_clients:  # forget clients with nothing in flight first
+                for idle in [c for c, st in self.table.clients.items() if not st.requests]:
+                    del self.table.clients[idle]
+            if len(self.table.clients) >= self.server.max_clients:
+                self.server.send(client, P.error(P.request_id_of(body[-1]) if body else None, P.ERR_BUSY,
+                                           f"the dsv4 daemon is busy: {len(self.table.clients)} "
                                            f"clients connected (the limit); try again later"), reap=False)
                 return
-            state = self._clients[client] = ClientState(last_seen=now)
-        state.last_seen, state.deaf_at_seen = now, self.deaf_s
+            state = self.table.clients[client] = ClientState(last_seen=now)
+        state.last_seen, state.deaf_at_seen = now, self.server.deaf_s
         if len(body) != 1:
-            self._send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
+            self.server.send(client, P.error(None, P.ERR_BAD_MESSAGE, f"expected one frame per message, got {len(body)}"))
             return
-        if self.max_frame_bytes is not None and len(body[0]) > self.max_frame_bytes:
-            self._send(client, P.error(P.request_id_of(body[0]), P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes "
-                                       f"exceeds the limit of {self.max_frame_bytes} bytes {self.frame_limit_reason}; "
+        if self.server.max_frame_bytes is not None and len(body[0]) > self.server.max_frame_bytes:
+            self.server.send(client, P.error(P.request_id_of(body[0]), P.ERR_TOO_LARGE, f"message of {len(body[0])} bytes "
+                                       f"exceeds the limit of {self.server.max_frame_bytes} bytes {self.server.frame_limit_reason}; "
                                        f"send a shorter prompt"))
             return
         return state, body[0]
@@ -123,18 +139,18 @@ class Admission:
             key, body = body[0], body[1:]
         else:
             key = b""
-        if self._key_frame is not None and not hmac.compare_digest(key, self._key_frame):
+        if self.server.key_frame is not None and not hmac.compare_digest(key, self.server.key_frame):
             return None
         return body
 
-    def _pong(self, rid: str) -> dict[str, Any]:
-        limit = P.MAX_MESSAGE_BYTES if self.max_frame_bytes is None else min(self.max_frame_bytes, P.MAX_MESSAGE_BYTES)
-        return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.model_name,
-                      endpoint=self.endpoint, settings=self.settings, state="stopping" if self.stop_reason else "ready",
-                      max_message_bytes=limit, message_limit_reason=self.frame_limit_reason,
+    def pong(self, rid: str) -> dict[str, Any]:
+        limit = P.MAX_MESSAGE_BYTES if self.server.max_frame_bytes is None else min(self.server.max_frame_bytes, P.MAX_MESSAGE_BYTES)
+        return P.pong(rid, pid=os.getpid(), version=__version__, protocol=P.PROTOCOL_VERSION, model=self.server.model_name,
+                      endpoint=self.server.endpoint, settings=self.server.settings, state="stopping" if self.server.stop_reason else "ready",
+                      max_message_bytes=limit, message_limit_reason=self.server.frame_limit_reason,
                       ranks=list(self.engine.ranks.pids) if self.engine.ranks is not None else [])
 
-    def _early_pong(self, client: bytes, body: list[bytes]) -> bool:
+    def early_pong(self, client: bytes, body: list[bytes]) -> bool:
         """On the watch thread, during a step: answer a ping with the right key at once (True).
         Touches the socket (the watch holds it) and nothing the loop thread changes."""
         body = self._unkeyed(body)
@@ -144,65 +160,65 @@ class Admission:
             req = P.decode_request(body[0])
         except P.ProtocolError:
             return False
-        if not isinstance(req, P.Ping) or self._sock is None:
+        if not isinstance(req, P.Ping) or self.server.sock is None:
             return False
-        pong = self._pong(req.id)
-        step_s = self._watch.step_seconds() if self._watch is not None else None
+        pong = self.pong(req.id)
+        step_s = self.server.watch.step_seconds() if self.server.watch is not None else None
         if step_s is not None:  # how long the step in progress has run: a client told nothing else sees a stuck one
             pong["step_s"] = round(step_s, 1)
         try:
-            self._sock.send_multipart([client, P.encode(pong)], zmq.NOBLOCK)
+            self.server.sock.send_multipart([client, P.encode(pong)], zmq.NOBLOCK)
         except zmq.ZMQError:
             return False  # the loop answers it after the step (or finds the client gone)
         return True
 
-    def _drop_client(self, client: bytes, why: str) -> None:
-        state = self._clients.pop(client, None)
+    def drop_client(self, client: bytes, why: str) -> None:
+        state = self.table.clients.pop(client, None)
         if state is None:
             return
         if state.requests:
             log.info("client %s %s; cancelling %d request(s)", client.hex(), why, len(state.requests))
         for erid in list(state.requests.values()):
             # tell it too, in case it is alive after all (say, stopped for a while): best effort
-            self._abort(erid, notify=True, error=f"request cancelled: client {why}")
+            self.server.abort(erid, notify=True, error=f"request cancelled: client {why}")
 
-    def _reap_silent_clients(self) -> None:
+    def reap_silent_clients(self) -> None:
         """Cancel the requests of clients not heard from for the heartbeat timeout, counting only
         time the daemon listened: not while it could not read its socket (`deaf_s`), and not at
         all while messages wait unread (a client's ping may be among them)."""
         now = time.monotonic()
-        if now - self._last_reap < 0.5 or self._backlog or now - self._last_listen > DEAF_GRACE_S:
+        if now - self._last_reap < 0.5 or self.server.backlog or now - self.server.last_listen > DEAF_GRACE_S:
             return  # behind on reading, or held up since the last read: read first (the gap is deaf time)
         self._last_reap = now
-        for client, state in list(self._clients.items()):
-            silent = now - state.last_seen - (self.deaf_s - state.deaf_at_seen)
-            if silent > self.heartbeat_timeout:
-                self._drop_client(client, f"silent for {silent:.0f} s")
+        for client, state in list(self.table.clients.items()):
+            silent = now - state.last_seen - (self.server.deaf_s - state.deaf_at_seen)
+            if silent > self.server.heartbeat_timeout:
+                self.drop_client(client, f"silent for {silent:.0f} s")
 
-    def _generate(self, client: bytes, state: ClientState, req: P.Generate) -> None:
-        if self.stop_reason is not None:
-            self._send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
+    def generate(self, client: bytes, state: ClientState, req: P.Generate) -> None:
+        if self.server.stop_reason is not None:
+            self.server.send(client, P.error(req.id, P.ERR_SHUTTING_DOWN, SHUTDOWN_MESSAGE))
             return
         if req.id in state.requests:
-            self._send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
+            self.server.send(client, P.error(req.id, P.ERR_DUPLICATE_ID, f"request id {req.id!r} is already in flight"))
             return
         try:
             params = self.engine.make_params(req.params)
         except (ValueError, TypeError) as e:  # RequestError is a ValueError
-            self._send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
+            self.server.send(client, P.error(req.id, P.ERR_INVALID_PARAMS, str(e)))
             return
-        if len(self._live) + len(self._pending) >= self.max_requests:
-            self._send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.max_requests} "
+        if len(self.table.live) + len(self.table.pending) >= self.server.max_requests:
+            self.server.send(client, P.error(req.id, P.ERR_BUSY, f"the dsv4 daemon is busy: {self.server.max_requests} "
                                        f"requests in flight (the limit); try again later"))
             return
-        mine = sum(1 for erid in state.requests.values() if self._end_client(erid) == req.client)
-        if mine >= self.max_requests_per_client:
+        mine = sum(1 for erid in state.requests.values() if self.table.end_client(erid) == req.client)
+        if mine >= self.server.max_requests_per_client:
             who = f"client {req.client!r}" if req.client else "this connection"
-            self._send(client, P.error(req.id, P.ERR_RATE_LIMITED, f"{who} has {mine} requests in flight, the "
+            self.server.send(client, P.error(req.id, P.ERR_RATE_LIMITED, f"{who} has {mine} requests in flight, the "
                                        f"limit per client; wait for some to finish"))
             return
-        erid = f"r{self._next_id}"
-        self._next_id += 1
+        erid = f"r{self.table.next_id}"
+        self.table.next_id += 1
         prompt: str | list[int] = req.prompt
         structured = getattr(params, "structured", None)  # SamplingParams's; a fake's params may lack it
         try:
@@ -221,19 +237,14 @@ class Admission:
             return
         # off the loop: tokenizing a big prompt (the intake's worker), compiling a grammar (the
         # engine's compile pool): the other requests' streams go on meanwhile
-        pending = self._pending[erid] = Pending(client, req, params, prompt=None if big else prompt)
+        pending = self.table.pending[erid] = Pending(client, req, params, prompt=None if big else prompt)
         state.requests[req.id] = erid
         if big:
-            pending.futures.append(self._intake.submit(erid, self._tokenize, req))
+            pending.futures.append(self.server.intake.submit(erid, self._tokenize, req))
         if structured is not None:
             fut = self.engine.submit_grammar(structured)
             pending.futures.append(fut)
-            self._intake.watch(erid, "grammar", fut)
-
-    def _end_client(self, erid: str) -> str | None:
-        """The end client (`Generate.client`) an engine request id counts for."""
-        entry = self._live.get(erid) or self._pending.get(erid)
-        return entry.end_client if isinstance(entry, Live) else entry.req.client if entry is not None else None
+            self.server.intake.watch(erid, "grammar", fut)
 
     def _tokenize(self, req: P.Generate) -> str | list[int]:
         """The prompt's ids (a text prompt with a tokenizer), else the prompt as sent; on the
@@ -248,13 +259,13 @@ class Admission:
         if not isinstance(e, ValueError):
             log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
         code = P.ERR_BUSY if isinstance(e, RequestBusy) else P.ERR_BAD_REQUEST
-        self._send(client, P.error(req.id, code, str(e) or type(e).__name__))
+        self.server.send(client, P.error(req.id, code, str(e) or type(e).__name__))
 
-    def _collect_prepared(self) -> None:
+    def collect_prepared(self) -> None:
         """Queue the requests whose prompts are tokenized and grammars compiled (unless
         cancelled meanwhile); refuse those where either failed."""
-        for erid, what, fut in self._intake.done():
-            pending = self._pending.get(erid)
+        for erid, what, fut in self.server.intake.done():
+            pending = self.table.pending.get(erid)
             if pending is None or fut.cancelled() or fut not in pending.futures:
                 continue  # cancelled, or its client went away
             pending.futures.remove(fut)
@@ -266,9 +277,9 @@ class Admission:
                     pending.grammar = fut.result()
                 if pending.futures:
                     continue  # still waiting for the other
-            del self._pending[erid]
+            del self.table.pending[erid]
             pending.cancel()
-            state = self._clients.get(pending.client)
+            state = self.table.clients.get(pending.client)
             if state is not None:
                 state.requests.pop(pending.req.id, None)
             if error is not None:
@@ -283,13 +294,13 @@ class Admission:
         if req.strict_length:
             refusal = _length_refusal(self.engine, prompt, params)
             if refusal:
-                self._send(client, P.error(req.id, P.ERR_BAD_REQUEST, refusal))
+                self.server.send(client, P.error(req.id, P.ERR_BAD_REQUEST, refusal))
                 return
         try:
             # fair shares between connections, and between the end clients one connection names
             extra = {"grammar": grammar} if grammar is not None else {}
             leader = state.requests.get(req.follows) if req.follows else None
-            if leader is not None and leader in self._live:  # a sibling sample: after its prefill
+            if leader is not None and leader in self.table.live:  # a sibling sample: after its prefill
                 extra["follows"] = leader
             self.engine.add_request(prompt, params, request_id=erid, prompt_mode=req.mode,
                                     system=req.system, thinking=req.thinking, client=(client, req.client), **extra)
@@ -298,7 +309,7 @@ class Admission:
             return
         tokenizer = self.engine.tokenizer
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
-        self._live[erid] = Live(client, req.id, pieces, req.client)
+        self.table.live[erid] = Live(client, req.id, pieces, req.client)
         state.requests[req.id] = erid
 
 

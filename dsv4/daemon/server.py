@@ -28,7 +28,7 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
-from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, ClientState, Live, Pending
+from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, Live, RequestTable
 from dsv4.daemon.contract import ServedEngine
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
@@ -51,7 +51,7 @@ log = logging.getLogger("dsv4.daemon")
 RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits non-zero
 
 
-class Server(Admission):
+class Server:
     """Serve `engine` on `endpoint` until `request_stop` (a signal, or a `shutdown` message)."""
 
     def __init__(self, engine: ServedEngine, endpoint: str, *, model_name: str = "",
@@ -69,22 +69,19 @@ class Server(Admission):
         self.heartbeat_timeout = heartbeat_timeout
         self.started = time.time()
         self.stop_reason: str | None = None
-        self._clients: dict[bytes, ClientState] = {}
-        self._live: dict[str, Live] = {}  # engine request id -> request
-        self._next_id = 0
-        self._last_reap = time.monotonic()
+        self.requests = RequestTable()  # clients and their requests in flight (the gate's too)
         # Time the daemon could not read its socket (its loop held up outside a step, whose watch
-        # listens): it never counts against a client's heartbeat (`_reap_silent_clients`).
+        # listens): it never counts against a client's heartbeat (`Admission.reap_silent_clients`).
         self.deaf_s = 0.0
-        self._last_listen = time.monotonic()
-        self._backlog = False  # the last drain left messages unread (its turn's budget ran out)
+        self.last_listen = time.monotonic()
+        self.backlog = False  # the last drain left messages unread (its turn's budget ran out)
         self._ctx: zmq.Context | None = None
-        self._sock: zmq.Socket | None = None
+        self.sock: zmq.Socket | None = None
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._signals = False
-        self._key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None
+        self.key_frame = P.KEY_PREFIX + api_key.encode() if api_key else None
         self.settings = dict(settings or {})
         self.max_clients = max_clients
         self.max_requests = max_requests
@@ -97,12 +94,12 @@ class Server(Admission):
             self.frame_limit_reason = f"for --max-model-len {engine.max_model_len}"
         else:
             self.max_frame_bytes, self.frame_limit_reason = None, ""
-        self._pending: dict[str, Pending] = {}  # engine request id -> request being tokenized
-        self._intake = Intake(lambda: self._wake_w.send(b"\0"))
+        self.intake = Intake(lambda: self._wake_w.send(b"\0"))
         self._guard: ConnectionGuard | None = None
-        self._watch: StepWatch | None = None
+        self.watch: StepWatch | None = None
         # tests only: every step this much slower, as on a busy machine (default: $DSV4_TEST_STEP_DELAY_S)
         self.test_step_delay_s = test_step_delay_s if test_step_delay_s is not None else _test_step_delay()
+        self.admission = Admission(self)  # the gate: key, floods, sampling parameters, tokenizing, grammars
 
     # ------------------------------------------------------------------ lifecycle
     def bind(self) -> None:
@@ -125,12 +122,12 @@ class Server(Admission):
                 self._ctx.term()
             self._ctx = None
             raise
-        self._sock = s
+        self.sock = s
         self._private_socket_file()
-        self._watch = StepWatch(s, self._early_pong)
+        self.watch = StepWatch(s, self.admission.early_pong)
         self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file,
-                                      lock=self._watch.lock, wake=self._wake)
-        self._watch.on_turn = self._guard.handle_watch
+                                      lock=self.watch.lock, wake=self._wake)
+        self.watch.on_turn = self._guard.handle_watch
 
     def _private_socket_file(self) -> None:
         path = ipc_path(self.endpoint)
@@ -158,17 +155,17 @@ class Server(Admission):
 
     def close(self) -> None:
         """Cancel what is in flight (telling clients), close the socket, remove the socket file."""
-        self._intake.close()
-        if self._watch is not None:
-            self._watch.close()
-            self._watch = None
+        self.intake.close()
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
         if self._guard is not None:
             self._guard.close()
             self._guard = None
-        if self._sock is not None:
+        if self.sock is not None:
             self._cancel_all(SHUTDOWN_MESSAGE)
-            self._sock.close()  # LINGER lets the final messages go out
-            self._sock = None
+            self.sock.close()  # LINGER lets the final messages go out
+            self.sock = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -186,9 +183,9 @@ class Server(Admission):
     # ------------------------------------------------------------------ the loop
     def serve_forever(self) -> str:
         """Run until stopped; returns the reason."""
-        assert self._sock is not None, "bind() first"
+        assert self.sock is not None, "bind() first"
         poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         if self._guard is not None and not self._guard.threaded:
             poller.register(self._guard.monitor, zmq.POLLIN)
@@ -201,20 +198,20 @@ class Server(Admission):
                 self._guard.handle()
             if self._wake_r.fileno() in events or self._wake_r in events:
                 self._drain_wake()
-            self._collect_prepared()
-            self._backlog = False
-            if self._sock in events:
+            self.admission.collect_prepared()
+            self.backlog = False
+            if self.sock in events:
                 self._drain_socket()
-            self._reap_silent_clients()  # after draining: a long step must not make everyone look silent
+            self.admission.reap_silent_clients()  # after draining: a long step must not make everyone look silent
             if self.stop_reason is None and self._has_work():
                 self._listening()
                 self._step()
-                self._last_listen = time.monotonic()  # the step watch listened meanwhile
+                self.last_listen = time.monotonic()  # the step watch listened meanwhile
                 self._handle_held()
             elif not busy:
                 self._idle_tick()
         self._handle_held()  # requests sent during the last step get their refusal
-        log.info("stopping (%s); cancelling %d request(s) in flight", self.stop_reason, len(self._live))
+        log.info("stopping (%s); cancelling %d request(s) in flight", self.stop_reason, len(self.requests.live))
         self._cancel_all(SHUTDOWN_MESSAGE)
         return self.stop_reason
 
@@ -227,8 +224,8 @@ class Server(Admission):
             log.exception("installing compiled buckets failed")
 
     def _cancel_all(self, error: str, reason: str = "abort") -> None:
-        for erid in [*self._live, *self._pending]:
-            self._abort(erid, notify=True, error=error, reason=reason)
+        for erid in [*self.requests.live, *self.requests.pending]:
+            self.abort(erid, notify=True, error=error, reason=reason)
 
     def _has_work(self) -> bool:
         try:
@@ -241,11 +238,11 @@ class Server(Admission):
         """Mark a point where the daemon reads its socket: a gap longer than DEAF_GRACE_S since
         the previous one was time no client could be heard, added to `deaf_s`."""
         now = time.monotonic()
-        gap = now - self._last_listen
+        gap = now - self.last_listen
         if gap > DEAF_GRACE_S:
             self.deaf_s += gap
             log.warning("the daemon did not read its socket for %.1f s; not counted against clients", gap)
-        self._last_listen = now
+        self.last_listen = now
 
     def _drain_wake(self) -> None:
         try:
@@ -257,25 +254,25 @@ class Server(Admission):
     def _drain_socket(self) -> None:
         """Handle waiting messages: up to MAX_MESSAGES_PER_TURN, and while the engine has work
         up to MAX_BYTES_PER_TURN, so a flood of big messages cannot starve the streams."""
-        assert self._sock is not None
+        assert self.sock is not None
         budget = MAX_BYTES_PER_TURN if self._has_work() else None
         for _ in range(MAX_MESSAGES_PER_TURN):
             if budget is not None and budget <= 0:
-                self._backlog = True
+                self.backlog = True
                 return
             try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if budget is not None:
                 budget -= sum(len(f) for f in frames)
             self._handle_safely(frames[0], frames[1:])
-        self._backlog = True  # messages may wait still: their senders are not silent
+        self.backlog = True  # messages may wait still: their senders are not silent
 
     def _handle_held(self) -> None:
         """The messages the step watch received during the last step, oldest first."""
-        if self._watch is not None:
-            for held in self._watch.take_held():
+        if self.watch is not None:
+            for held in self.watch.take_held():
                 self._handle_safely(held.client, held.body, answered=held.answered)
 
     def _handle_safely(self, client: bytes, body: list[bytes], answered: bool = False) -> None:
@@ -284,12 +281,12 @@ class Server(Admission):
         except Exception:  # noqa: BLE001  (a bug here must not take the daemon down)
             log.exception("error while handling a message")
             rid = P.request_id_of(body[-1]) if body else None  # the request's own error, when it names one
-            self._send(client, P.error(rid, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
+            self.send(client, P.error(rid, P.ERR_INTERNAL, "internal error in the daemon; see its log"))
 
     # ------------------------------------------------------------------ messages
     def _handle(self, client: bytes, body: list[bytes], answered: bool = False) -> None:
         """One message; `answered`: a ping the step watch has answered already."""
-        admitted = self._admit(client, body)
+        admitted = self.admission.admit(client, body)
         if admitted is None:
             return
         state, frame = admitted
@@ -297,31 +294,31 @@ class Server(Admission):
             req = P.decode_request(frame)
         except P.ProtocolError as e:
             log.warning("rejected a message: %s: %s", e.code, e.message)
-            self._send(client, P.error(e.request_id, e.code, e.message))
+            self.send(client, P.error(e.request_id, e.code, e.message))
             return
         if isinstance(req, P.Ping):
             if not answered:
-                self._send(client, self._pong(req.id))
+                self.send(client, self.admission.pong(req.id))
         elif isinstance(req, P.Status):
-            self._send(client, P.status_reply(req.id, self.status()))
+            self.send(client, P.status_reply(req.id, self.status()))
         elif isinstance(req, P.Shutdown):
-            self._send(client, P.ok(req.id, pid=os.getpid()))
+            self.send(client, P.ok(req.id, pid=os.getpid()))
             self.request_stop("stop requested by a client")
         elif isinstance(req, P.Cancel):
             erid = state.requests.get(req.target)
             if erid is not None:
-                self._abort(erid, notify=True)
-            self._send(client, P.ok(req.id, cancelled=erid is not None))
+                self.abort(erid, notify=True)
+            self.send(client, P.ok(req.id, cancelled=erid is not None))
         elif isinstance(req, P.Generate):
-            self._generate(client, state, req)
+            self.admission.generate(client, state, req)
 
     # ------------------------------------------------------------------ engine
     def _step(self) -> None:
         try:
-            if self._watch is None:
+            if self.watch is None:
                 outputs = self.engine.step()
             else:
-                with self._watch.stepping():
+                with self.watch.stepping():
                     if self.test_step_delay_s:
                         time.sleep(self.test_step_delay_s)
                     outputs = self.engine.step()
@@ -332,22 +329,22 @@ class Server(Admission):
                 self.stop_reason = RANK_FAILURE
             return
         for out in outputs:
-            live = self._live.get(out.request_id)
+            live = self.requests.live.get(out.request_id)
             if live is None:
                 continue  # cancelled meanwhile
             for msg in P.output_messages(live.rid, out, live.pieces):
                 if msg["type"] == "final":
                     self._forget(out.request_id)
-                    self._send(live.client, msg)
+                    self.send(live.client, msg)
                     log_finished(out)
-                elif not self._send(live.client, msg):
+                elif not self.send(live.client, msg):
                     break  # the client is gone; its requests are cancelled
 
-    def _abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
-        pending = self._pending.pop(erid, None)
+    def abort(self, erid: str, *, notify: bool, error: str | None = None, reason: str = "abort") -> None:
+        pending = self.requests.pending.pop(erid, None)
         if pending is not None:  # still being tokenized or compiled: dropped (a compile's worker is stopped)
             pending.cancel()
-            state = self._clients.get(pending.client)
+            state = self.requests.clients.get(pending.client)
             if state is not None:
                 state.requests.pop(pending.req.id, None)
             live: Live | None = Live(pending.client, pending.req.id)
@@ -360,28 +357,28 @@ class Server(Admission):
         if live is not None:
             log.info("%s %s%s", erid, "cancelled" if reason == "abort" else "failed", f": {error}" if error else "")
         if notify and live is not None:
-            self._send(live.client, P.final(live.rid, reason, error), reap=False)
+            self.send(live.client, P.final(live.rid, reason, error), reap=False)
 
     def _forget(self, erid: str) -> Live | None:
-        live = self._live.pop(erid, None)
+        live = self.requests.live.pop(erid, None)
         if live is not None:
-            state = self._clients.get(live.client)
+            state = self.requests.clients.get(live.client)
             if state is not None:
                 state.requests.pop(live.rid, None)
         return live
 
-    def _send(self, client: bytes, msg: dict[str, Any], reap: bool = True) -> bool:
+    def send(self, client: bytes, msg: dict[str, Any], reap: bool = True) -> bool:
         """Send one message; on an unreachable client cancel its requests and return False."""
-        if self._sock is None:
+        if self.sock is None:
             return False
         try:
-            self._sock.send_multipart([client, P.encode(msg)], zmq.NOBLOCK)
+            self.sock.send_multipart([client, P.encode(msg)], zmq.NOBLOCK)
             return True
         except zmq.ZMQError as e:
             if e.errno not in (errno.EHOSTUNREACH, errno.EAGAIN):
                 log.warning("send failed: %s", e)
             if reap:
-                self._drop_client(client, "unreachable" if e.errno == errno.EHOSTUNREACH else "not reading")
+                self.admission.drop_client(client, "unreachable" if e.errno == errno.EHOSTUNREACH else "not reading")
             return False
 
     # ------------------------------------------------------------------ status
@@ -398,8 +395,8 @@ class Server(Admission):
             "protocol": P.PROTOCOL_VERSION,
             "endpoint": self.endpoint,
             "uptime_s": round(time.time() - self.started, 3),
-            "clients": sum(1 for c in self._clients.values() if c.requests),  # with requests in flight
-            "in_flight": len(self._live) + len(self._pending),
+            "clients": sum(1 for c in self.requests.clients.values() if c.requests),  # with requests in flight
+            "in_flight": len(self.requests.live) + len(self.requests.pending),
             "connections": self._guard.open if self._guard is not None else None,
             "max_connections": self.max_connections,
             "memory_rss_bytes": rss_bytes(),

@@ -219,7 +219,7 @@ def test_wrong_or_missing_key_gets_an_error_and_nothing_else(keyed: Harness) -> 
                 "v", "type", "id", "code", "message"}
     finally:
         raw.close()
-    assert keyed.server.stop_reason is None and keyed.server._clients == {}  # nothing processed, no state
+    assert keyed.server.stop_reason is None and keyed.server.requests.clients == {}  # nothing processed, no state
     with Client(keyed.endpoint, api_key="wrong") as c, pytest.raises(DaemonError, match="API key"):
         c.connect()
     with Client(keyed.endpoint, api_key="s3cret") as c:
@@ -390,7 +390,7 @@ def wait_for(cond: Any, timeout: float = 15.0) -> bool:
 def test_generate_while_stopping_is_refused_with_its_reason() -> None:
     server = Server(FakeEngine(), "ipc:///nonexistent/s.sock")
     sent: list[dict[str, Any]] = []
-    server._send = lambda client, msg, reap=True: sent.append(msg) or True  # type: ignore[method-assign]
+    server.send = lambda client, msg, reap=True: sent.append(msg) or True  # type: ignore[method-assign]
     server.stop_reason = "stop requested by a client"
     server._handle(b"c", [msgpack.packb({"v": P.PROTOCOL_VERSION, "type": "generate", "id": "g", "prompt": "hi"})])
     assert [(m["type"], m["code"]) for m in sent] == [("error", P.ERR_SHUTTING_DOWN)]
