@@ -166,7 +166,7 @@ Quantization = Annotated[Optional[str], typer.Option(
     help="Weight format: none; w8a8 (int8 weights with per-row scales, int8 activations per token); mxfp4 "
          "(the routed experts kept as the checkpoint's FP4, the rest unquantised); w8a8-mxfp4 (FP4 routed "
          "experts, the rest w8a8, int8 activations) [default: as the checkpoint is stored where it fits the "
-         "memory, else the first of mxfp4, w8a8-mxfp4, w8a8 that fits]")]
+         "memory, else the first of w8a8-mxfp4, mxfp4, w8a8 that fits]")]
 DraftVocab = Annotated[Optional[str], typer.Option(
     "--draft-vocab", metavar="FILE", rich_help_panel=ENGINE_PANEL,
     help="MTP drafts propose only the tokens of FILE (written by 'dsv4 draft-vocab'): a smaller draft head "

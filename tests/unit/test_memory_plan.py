@@ -94,14 +94,14 @@ def test_without_quantization_the_defaults_take_what_fits(tmp_path, monkeypatch,
     assert c.quantization == "none" and M.fit_default(c) == (c, "")  # it fits this machine
     need = M.memory_plan(c).host_bytes
     chosen, note = M.fit_default(c, available=need - 1)
-    assert chosen.quantization == "mxfp4" and "--quantization mxfp4 chosen" in note and "\n" not in note
+    assert chosen.quantization == "w8a8-mxfp4" and "--quantization w8a8-mxfp4 chosen" in note and "\n" not in note
     assert M.memory_plan(chosen, need - 1).fits()
     smallest = M.memory_plan(EngineConfig.create(model=str(tmp_path), quantization="w8a8-mxfp4")).host_bytes
     assert M.fit_default(c, available=smallest - 1) == (c, "")  # nothing fits: check() refuses it
-    # V4 Flash at 64k in 192 GB: FP4 experts as stored (bf16 for the rest) is the first that fits
+    # V4 Flash at 64k in 192 GB: FP4 experts as stored (int8 for the rest) is the first that fits
     flash = EngineConfig.create(model=str(FIXTURES / "deepseek-v4-flash"), planning=True, dtype="bfloat16",
                                 max_model_len=65536)
-    assert M.fit_default(flash, available=192 * 10**9)[0].quantization == "mxfp4"
+    assert M.fit_default(flash, available=192 * 10**9)[0].quantization == "w8a8-mxfp4"
     # through the CLI (its own defaults: --compile's scratch slot): the run goes on in the chosen format
     cli = EngineConfig.create(**engine_kwargs(model=tmp_path, compile=None))
     cli_need = M.memory_plan(cli).host_bytes
@@ -109,4 +109,4 @@ def test_without_quantization_the_defaults_take_what_fits(tmp_path, monkeypatch,
     monkeypatch.setattr("sys.stdin", io.StringIO(""))
     code = main(["run", "--local", "--model", str(tmp_path), "--max-tokens", "2", "--raw", "--json", "hi"])
     got = capsys.readouterr()
-    assert code == 0 and "--quantization mxfp4 chosen" in got.err, got.err
+    assert code == 0 and "--quantization w8a8-mxfp4 chosen" in got.err, got.err
