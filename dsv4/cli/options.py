@@ -317,13 +317,14 @@ def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
     try:
         config = EngineConfig.create(**kw)
         if check_memory and config.node_rank == 0:
-            from dsv4.engine.memory_plan import check, fit_default
+            from dsv4.engine.memory_plan import check, fit
 
+            plan = None
             if kw.get("quantization") is None:  # not given: the formats the memory plan fits
-                config, note = fit_default(config)
+                config, note, plan = fit(config)
                 if note:
                     print(f"dsv4: {note}", file=sys.stderr)
-            check(config)
+            check(config, plan)
         return config
     except EngineConfigError as e:
         raise CliError(str(e), EXIT_USAGE) from None

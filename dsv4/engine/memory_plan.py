@@ -173,47 +173,49 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
     return plan
 
 
+def _others(config: Any, order: tuple[str, ...], available: int | None):
+    """(config with --quantization q, its plan) for each q of `order` but config's own that this
+    checkpoint takes (a format it cannot take is skipped)."""
+    for q in order:
+        if q == config.quantization:
+            continue
+        try:
+            other = dataclasses.replace(config, quantization=q)
+            yield other, memory_plan(other, available=available)
+        except Exception:  # noqa: BLE001  (EngineConfigError, or a format the meta model cannot build)
+            continue
+
+
+def fit(config: Any, available: int | None = None) -> tuple[Any, str, MemoryPlan]:
+    """`fit_default`, with the plan of the config it returns (for `check`, so it is not built again)."""
+    plan = memory_plan(config, available)
+    if not plan.fits():
+        for other, other_plan in _others(config, DEFAULT_ORDER, plan.available):
+            if other_plan.fits():
+                return other, (f"--quantization {other.quantization} chosen: as {config.quantization} the model "
+                               f"needs {_gib(plan.host_bytes).strip()}, over the {_gib(plan.available or 0).strip()} "
+                               f"available (give --quantization to choose)"), other_plan
+    return config, "", plan
+
+
 def fit_default(config: Any, available: int | None = None) -> tuple[Any, str]:
     """For a config built without --quantization: itself when its plan fits, else the first of
     DEFAULT_ORDER this checkpoint takes whose plan fits, with a line saying why (else itself,
     which `check` then refuses with the figures). `available` replaces this machine's memory.
     Returns (config, note or "")."""
-    plan = memory_plan(config, available)
-    if plan.fits():
-        return config, ""
-    for q in DEFAULT_ORDER:
-        if q == config.quantization:
-            continue
-        try:
-            other = dataclasses.replace(config, quantization=q)
-            fits = memory_plan(other, available=plan.available).fits()
-        except EngineConfigError:  # a format this checkpoint cannot take
-            continue
-        if fits:
-            return other, (f"--quantization {q} chosen: as {config.quantization} the model needs "
-                           f"{_gib(plan.host_bytes).strip()}, over the {_gib(plan.available or 0).strip()} "
-                           f"available (give --quantization to choose)")
-    return config, ""
+    return fit(config, available)[:2]
 
 
-def check(config: Any) -> MemoryPlan:
-    """`memory_plan(config)`, or EngineConfigError when it does not fit: the figures, and the
-    --quantization values, --max-model-len or --max-num-seqs that would."""
-    plan = memory_plan(config)
+def check(config: Any, plan: MemoryPlan | None = None) -> MemoryPlan:
+    """`memory_plan(config)` (or `plan`, already built for it), or EngineConfigError when it does
+    not fit: the figures, and the --quantization values, --max-model-len or --max-num-seqs that would."""
+    plan = plan or memory_plan(config)
     if plan.fits():
         return plan
     need, have = plan.host_bytes, plan.available or 0
     big = sorted(plan.parts, key=lambda p: -p.bytes)[:3]
-    hints = []
-    for q in ALTERNATIVES:
-        if q == config.quantization:
-            continue
-        try:
-            other = memory_plan(dataclasses.replace(config, quantization=q), available=have)
-        except Exception:  # noqa: BLE001  (a format this checkpoint cannot take: not a suggestion)
-            continue
-        if other.fits():
-            hints.append(f"--quantization {q} ({_gib(other.host_bytes).strip()})")
+    hints = [f"--quantization {other.quantization} ({_gib(p.host_bytes).strip()})"
+             for other, p in _others(config, ALTERNATIVES, have) if p.fits()]
     hints.append("a smaller --max-model-len, --max-num-seqs or --kv-cache-memory")
     raise EngineConfigError(
         f"--model {config.model} needs {_gib(need).strip()} as {config.quantization} ("
