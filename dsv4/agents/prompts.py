@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Protocol, Sequence
 
-from dsv4.agents.encoding import ChatOptions, EncodingError, encode_messages
+from dsv4.agents.encoding import ChatOptions, EncodingError, TokenizerLike, encode_messages
 
 USER_TOKEN = "<｜User｜>"
 ASSISTANT_TOKEN = "<｜Assistant｜>"
@@ -22,15 +22,15 @@ ASSISTANT_TOKEN = "<｜Assistant｜>"
 PromptMode = Literal["auto", "chat", "raw"]
 
 
-class PromptTokenizer(Protocol):
-    """What rendering needs of a tokenizer (`dsv4.engine.tokenizer.Tokenizer` has it)."""
+class PromptTokenizer(TokenizerLike, Protocol):
+    """What rendering needs of a tokenizer: the encoder's (`encoding.TokenizerLike`) plus these
+    (`dsv4.engine.tokenizer.Tokenizer` has them)."""
 
     add_bos: bool  # a raw prompt starts with BOS (the tokenizer's files say so)
 
     @property
     def has_chat_tokens(self) -> bool: ...
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
-    def token_to_id(self, token: str) -> int | None: ...
 
 
 def no_template(what: str, param: str = "messages") -> EncodingError:
