@@ -86,11 +86,12 @@ def chat_prompt(tokenizer: PromptTokenizer | None, messages: Sequence[dict], *, 
     `options`: tools, tool_choice, reasoning_effort, response_format) with a template, else
     plain continuation text, each message's content on its own line, ending with a newline.
     Without a template an option that would change the prompt is refused (`tools` with
-    tool_choice "none", and reasoning_effort "none", change nothing)."""
+    tool_choice "none", reasoning_effort "none" and response_format, which only a grammar
+    enforces there, change nothing)."""
     if has_template(tokenizer):
         assert tokenizer is not None
         return render_chat(tokenizer, messages, thinking=thinking, **options)
-    unused = ("tool_choice", "tools") if options.get("tool_choice") == "none" else ("tool_choice",)
+    unused = ("tool_choice", "response_format") + (("tools",) if options.get("tool_choice") == "none" else ())
     for name, value in options.items():
         if value is not None and name not in unused and not (name == "reasoning_effort" and value == "none"):
             raise no_template(name, name)

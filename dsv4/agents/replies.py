@@ -16,8 +16,7 @@ from typing import Any
 
 from dsv4.agents.calls import ContentDelta, Event, ToolCallArgs, ToolCallStart
 from dsv4.agents.dsml import DSMLStreamParser
-
-THINK_END = "</think>"
+from dsv4.agents.encoding import THINK_END
 
 
 class ReasoningSplitter:

@@ -23,6 +23,7 @@ from typing import Annotated
 
 import typer
 
+from dsv4.agents.prompts import has_template
 from dsv4.cli import options as O
 from dsv4.cli.options import CliError
 
@@ -43,7 +44,7 @@ class Session:
         from dsv4.cli.tools import tool_params
 
         self.forced = tool_params(tools, tool_choice)  # what a forced choice adds to the user's turns
-        self.template = tokenizer is not None and tokenizer.has_chat_tokens
+        self.template = has_template(tokenizer)
         self.messages: list[dict[str, Any]] = []
         self.pending: list[dict[str, Any]] = []  # the last answer's tool calls still waiting for a result
         self.params: dict[str, Any] = {"max_tokens": 256}

@@ -102,9 +102,7 @@ def watch(poll: Callable[[], dict[str, Any]], interval: float, count: int | None
             n += 1
             if as_json:
                 print(json.dumps({**st, "watch": r}, sort_keys=True), file=out, flush=True)
-            elif live is not None:
-                from rich.text import Text
-
+            elif live is not None:  # `Text` imported with `Live` above
                 live.update(Text("\n".join(now_lines(r, st) + [""] + status_lines(st))), refresh=True)
             else:
                 print(" | ".join(ln.split(None, 1)[1] if " " in ln else ln for ln in now_lines(r, st)[:3]),

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dsv4.agents.encoding import EncodingError, check_tools
+from dsv4.agents.encoding import THINK_END, EncodingError, check_tools
 from dsv4.agents.replies import Piece, Reply
 
 MAX_TOOLS_BYTES = 1 << 20
@@ -53,7 +53,7 @@ class ToolText:
 
     @staticmethod
     def _printed(piece: Piece) -> str:
-        return piece.reasoning + ("</think>" if piece.ended_reasoning else "") + piece.content
+        return piece.reasoning + (THINK_END if piece.ended_reasoning else "") + piece.content
 
     def feed(self, text: str) -> str:
         return self._printed(self._reply.feed(text))

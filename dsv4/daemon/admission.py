@@ -220,7 +220,7 @@ class Admission:
         erid = f"r{self.table.next_id}"
         self.table.next_id += 1
         prompt: str | list[int] = req.prompt
-        structured = getattr(params, "structured", None)  # SamplingParams's; a fake's params may lack it
+        structured = params.structured
         try:
             if req.tools and not isinstance(prompt, str):
                 raise ValueError("tools are rendered into a text prompt; send the prompt as text, not token ids")
@@ -318,7 +318,7 @@ def _length_refusal(engine: ServedEngine, prompt: str | list[int], params: Any) 
 
     As vLLM and OpenAI answer: prompt + max_tokens over max_model_len is refused. A prompt
     that alone leaves no room is left to the engine's own (more specific) refusal."""
-    max_len, max_tokens = engine.max_model_len, getattr(params, "max_tokens", None)
+    max_len, max_tokens = engine.max_model_len, params.max_tokens
     if not isinstance(prompt, list) or not isinstance(max_tokens, int):
         return None
     room = max_len - len(prompt)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from dsv4.agents.encoding import EncodingError, check_tool_choice, check_tools, thinking_mode
-from dsv4.agents.prompts import chat_prompt, has_template
+from dsv4.agents.prompts import chat_prompt
 from dsv4.engine.tokenizer import TokenizerError
 from dsv4.engine.params import MAX_BIAS as _MAX_BIAS
 from dsv4.engine.params import MAX_LOGPROBS
@@ -329,7 +329,7 @@ def chat_prompt_of(body: dict[str, Any], tokenizer: Any) -> Chat:
         options: dict[str, Any] = {"tools": (functions and body["tools"]) or None, "tool_choice": body.get("tool_choice"),
                                    "reasoning_effort": body.get("reasoning_effort")}
         rf = body.get("response_format")  # rendered as DeepSeek's encoder does (with a template); a grammar enforces it
-        if has_template(tokenizer) and isinstance(rf, dict) and rf.get("type") != "text":
+        if isinstance(rf, dict) and rf.get("type") != "text":
             options["response_format"] = rf
         # without a template, what would change the prompt is refused (`prompts.chat_prompt`)
         return Chat(chat_prompt(tokenizer, msgs, thinking=thinking, **options), thinking, choice, functions)

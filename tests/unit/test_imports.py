@@ -135,10 +135,10 @@ BELOW = {
     "dsv4.engine": ENGINE,
     "dsv4.daemon": DAEMON,
     "dsv4.http": HTTP,
-    "dsv4.cli": {"dsv4.cli"} | HTTP,
+    "dsv4.cli": HTTP,
     "dsv4.agents": set(),
     "dsv4.draft_vocab": CONFIG,
-    "dsv4.hub": {"dsv4.hub"} | LEAVES,
+    "dsv4.hub": set(LEAVES),
     "dsv4.config": {"dsv4.config_values"},
     **{leaf: set() for leaf in LEAVES | {"dsv4.config_values"}},
 }

@@ -238,7 +238,7 @@ def fake_params(d: dict) -> Any:
     n = d.get("max_tokens", 4)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"max_tokens must be >= 1, got {n}")
-    return SimpleNamespace(max_tokens=n)
+    return SimpleNamespace(max_tokens=n, structured=None)
 
 
 class Harness:
