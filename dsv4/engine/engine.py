@@ -195,6 +195,8 @@ class Engine:
         if leader is not None and leader.request.prompt_ids == req.prompt_ids:
             req.after = leader.request
         if params.structured is not None:  # compiled (or refused) before it queues
+            if self.scheduler.vocab_size is not None:  # a bad token id is refused before a compile, not after
+                params.check_vocab(self.scheduler.vocab_size)
             compiled = grammar if grammar is not None else self.grammars.compile(params.structured)
             req.grammar = self.grammars.state(compiled, ids)
         self.scheduler.add(req)  # the prompt and the vocabulary checked; raises RequestError
@@ -266,7 +268,7 @@ class Engine:
         steps = self.runner.compiled
         if self.config.compile != "auto" or steps is None or not steps.missing() or self._builder is not None:
             return ""
-        from dsv4.engine.checks import available_memory
+        from dsv4.machine import available_memory
         from dsv4.engine.compile.builder import spawn
 
         free = available_memory()

@@ -20,7 +20,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dsv4.engine.checks import EngineConfigError, available_memory, machine_memory
+from dsv4.engine.checks import EngineConfigError, machine_memory
+from dsv4.machine import available_memory
 
 KINDS = [  # (label, pattern of the official names), first match wins
     ("routed experts", re.compile(r".*\.ffn\.experts\..*")),

@@ -86,7 +86,7 @@ class Grammars:
         if self._pool is None:
             with self._pool_lock:
                 if self._pool is None:
-                    from dsv4.engine.grammar.compile_pool import CompilePool, Compiled
+                    from dsv4.engine.grammar.compile_pool import CompilePool
 
                     self._pool = CompilePool(self._tokenizer_info, budget_s=self.budget_s)
         return self._pool.submit(spec)
@@ -155,11 +155,6 @@ class GrammarState:
         self.active = active  # False until </think> in thinking mode
         self.think_end, self.eos = think_end, eos
         self.done = False  # EOS taken (or the matcher failed): nothing more is constrained
-
-    @property
-    def terminated(self) -> bool:
-        """The grammar has taken its stop token (EOS): nothing more is constrained."""
-        return self.done
 
     def masks(self, drafts: Sequence[int], out: torch.Tensor, first: int = 0, last_only: bool = False
               ) -> list[bool]:
