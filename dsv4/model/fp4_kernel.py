@@ -94,9 +94,30 @@ def _load_from(d: Path) -> tuple[object | None, str]:
     return ops, ""
 
 
+def _candidates() -> list[Path]:
+    """Where this source's build may lie: the cache `build_dir()` names, then the one that the
+    virtual environment's set-up recorded (`scripts/venv.sh` writes its path into
+    `$VIRTUAL_ENV/.dsv4-fp4-ext`), so that a process started with another XDG_CACHE_HOME still
+    finds the extension its set-up built. Only a directory of this very source and torch counts."""
+    dirs = [build_dir()]
+    try:
+        recorded = Path((Path(sys.prefix) / ".dsv4-fp4-ext").read_text().strip()).parent
+    except (OSError, ValueError):
+        return dirs
+    if recorded.is_absolute() and recorded.name == dirs[0].name and recorded != dirs[0]:
+        dirs.append(recorded)
+    return dirs
+
+
 @functools.lru_cache(maxsize=1)
 def _library() -> tuple[object | None, str]:
-    return _load_from(build_dir())
+    first = None
+    for d in _candidates():
+        ops, why = _load_from(d)
+        if ops is not None:
+            return ops, ""
+        first = first or why
+    return None, first or ""
 
 
 def _register_fakes() -> None:

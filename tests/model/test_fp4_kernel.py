@@ -202,6 +202,20 @@ def test_build_dir_is_per_user_and_keyed(monkeypatch, tmp_path):
     assert fk.SOURCE.is_file() and Path(fk.__file__).parent / "csrc" == fk.SOURCE.parent
 
 
+def test_the_build_the_venv_recorded_is_found_under_another_cache_home(monkeypatch, tmp_path):
+    """A process started with another XDG_CACHE_HOME (a benchmark's isolated cache) still
+    finds the extension scripts/venv.sh built and recorded, and nothing of another source."""
+    built = fk.build_dir()
+    monkeypatch.setattr(fk.sys, "prefix", str(tmp_path / "venv"))
+    (tmp_path / "venv").mkdir()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert fk._candidates() == [fk.build_dir()]  # nothing recorded
+    (tmp_path / "venv" / ".dsv4-fp4-ext").write_text(str(built / f"{fk.NAME}.so"))
+    assert fk._candidates() == [fk.build_dir(), built]
+    (tmp_path / "venv" / ".dsv4-fp4-ext").write_text(str(tmp_path / "fp4_gemm-other" / f"{fk.NAME}.so"))
+    assert fk._candidates() == [fk.build_dir()]  # another source's build: never loaded
+
+
 @pytest.mark.parametrize("case", ["scale_k16", "packed_full_k", "packed_float", "scale_float", "xq_float",
                                   "xs_shape", "k_not_32", "columns_strided", "x_int"])
 def test_bad_inputs_are_one_line_value_errors(case):
