@@ -1,7 +1,8 @@
 """`dsv4 plan`: the memory a configuration needs, part by part, before anything loads.
 
 The engine flags that size memory (`--quantization`, `--dtype`, `--max-model-len`,
-`--max-num-seqs`, `--num-speculative-tokens`, `--tensor-parallel-size`, `--kv-cache-memory`)
+`--max-num-seqs`, `--num-speculative-tokens`, `--tensor-parallel-size`, `--kv-cache-memory`,
+`--compile`: a build in this process holds a second copy of the weights)
 go into an `EngineConfig` as `serve` would build it, over a checkpoint directory or its
 `config.json` alone (then the weights are taken as the official layout stores them);
 `dsv4.engine.memory_plan` does the sums. `--memory` plans for another machine.
@@ -26,17 +27,19 @@ def plan(model: O.Model = None, revision: O.Revision = None, device: O.Device = 
          quantization: O.Quantization = None, max_model_len: O.MaxModelLen = None,
          max_num_seqs: O.MaxNumSeqs = None, max_num_batched_tokens: O.MaxBatched = None,
          num_speculative_tokens: O.NumSpec = None, tensor_parallel_size: O.TensorParallel = None,
-         kv_cache_memory: O.KvCacheMemory = None, nnodes: O.NNodes = None, memory: PlanMemory = None,
+         kv_cache_memory: O.KvCacheMemory = None, nnodes: O.NNodes = None, compile: O.Compile = None,
+         memory: PlanMemory = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
     """Print the memory a configuration needs (weights by kind and format, the state pool, the
-    rings, activations) against the machine's, before loading anything; exit 1 when it does not fit."""
+    rings, activations, a --compile build) against the machine's, before loading anything; exit 1 when it does not fit."""
     from dsv4.engine.checks import EngineConfigError, parse_memory
     from dsv4.engine.memory_plan import memory_plan
 
     kw = O.engine_kwargs(model=model, revision=revision, device=device, dtype=dtype, quantization=quantization,
                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
-                         tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory, nnodes=nnodes)
+                         tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory, nnodes=nnodes,
+                         compile=compile)
     try:
         size = parse_memory(memory, "cpu") if memory is not None else None
     except EngineConfigError as e:

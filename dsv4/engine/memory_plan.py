@@ -168,10 +168,21 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
     else:
         plan.available = machine_memory(config.device)
     weights = sum(p.bytes for p in parts if p.what.startswith("weights"))
+    if config.compile is True:  # --compile: missing buckets are captured in this process, before serving
+        plan.parts.append(Part(COMPILE_BUILD, int(COMPILE_BUILD_COPIES * weights),
+                               "--compile builds missing buckets in this process: a second copy of the weights"))
     if config.compile == "auto":
         plan.notes.append(f"note: serve builds missing compiled steps in a second process that loads its own "
                           f"copy of the weights ({_gib(weights).strip()}), only when that much is free")
     return plan
+
+
+COMPILE_BUILD = "compile build (peak)"
+# A capture (export, then AOTInductor) holds one more copy of the weights: measured on an
+# 8-layer V4-Flash-shaped slice, w8a8, one bucket: 9.1 GiB of weights, 18.2 GiB RSS after start
+# (docs/compile.md). Counted as one copy, so a --compile that will not fit is refused before
+# anything loads instead of meeting the OOM killer halfway through its build.
+COMPILE_BUILD_COPIES = 1.0
 
 
 def _others(config: Any, order: tuple[str, ...], available: int | None):
@@ -217,6 +228,11 @@ def check(config: Any, plan: MemoryPlan | None = None) -> MemoryPlan:
     big = sorted(plan.parts, key=lambda p: -p.bytes)[:3]
     hints = [f"--quantization {other.quantization} ({_gib(p.host_bytes).strip()})"
              for other, p in _others(config, ALTERNATIVES, have) if p.fits()]
+    if any(p.what == COMPILE_BUILD for p in plan.parts):
+        auto = memory_plan(dataclasses.replace(config, compile="auto"), available=have)
+        if auto.fits():
+            hints.insert(0, f"--compile auto, the default: cached buckets only, the others built in the "
+                            f"background when memory is free ({_gib(auto.host_bytes).strip()})")
     hints.append("a smaller --max-model-len, --max-num-seqs or --kv-cache-memory")
     raise EngineConfigError(
         f"--model {config.model} needs {_gib(need).strip()} as {config.quantization} ("

@@ -110,3 +110,29 @@ def test_without_quantization_the_defaults_take_what_fits(tmp_path, monkeypatch,
     code = main(["run", "--local", "--model", str(tmp_path), "--max-tokens", "2", "--raw", "--json", "hi"])
     got = capsys.readouterr()
     assert code == 0 and "--quantization w8a8-mxfp4 chosen" in got.err, got.err
+
+
+def test_a_compile_build_is_planned_and_refused_before_it_runs_out_of_memory(tmp_path, monkeypatch, capsys):
+    """--compile captures missing buckets in the serving process, which holds a second copy of
+    the weights while it does: the plan counts it, and a build that would not fit is refused
+    before anything loads, naming the default (auto: cached buckets, background builds) that fits."""
+    write_tiny_checkpoint(tmp_path, quantize=True)
+    build = EngineConfig.create(model=str(tmp_path), quantization="w8a8", compile=True)
+    auto = EngineConfig.create(model=str(tmp_path), quantization="w8a8", compile="auto")
+    plan, auto_plan = M.memory_plan(build), M.memory_plan(auto)
+    weights = sum(p.bytes for p in plan.parts if p.what.startswith("weights"))
+    parts = {p.what: p.bytes for p in plan.parts}
+    assert parts[M.COMPILE_BUILD] == weights > 0 and M.COMPILE_BUILD not in {p.what for p in auto_plan.parts}
+    assert plan.host_bytes == auto_plan.host_bytes + weights
+    monkeypatch.setattr(M, "available_memory", lambda: auto_plan.host_bytes)  # auto fits, the build does not
+    with pytest.raises(EngineConfigError) as e:
+        M.check(build)
+    msg = str(e.value)
+    assert M.COMPILE_BUILD in msg and "--compile auto, the default" in msg and "\n" not in msg, msg
+    M.check(auto)
+    # `dsv4 plan --compile` shows the part; without the flag it is not there
+    with_build = _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8-mxfp4", "--compile", "--memory", "192GiB")
+    without = _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8-mxfp4", "--memory", "192GiB")
+    built = {x["what"]: x["bytes"] for x in with_build["parts"]}
+    assert M.COMPILE_BUILD in built and M.COMPILE_BUILD not in {x["what"] for x in without["parts"]}
+    assert with_build["host_bytes"] == without["host_bytes"] + built[M.COMPILE_BUILD]
