@@ -15,6 +15,7 @@ Details: docs/quantization.md, 'dsv4/model/w8a8.py'.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -133,6 +134,13 @@ def from_float(w: torch.Tensor, amax: torch.Tensor | None = None, *, scratch: bo
 FP4_SPAN = 3  # 12 * 2^3 = 96 <= 127: doubled e2m1 codes times 2^span still fit in int8
 
 
+@functools.lru_cache(maxsize=None)
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """int8 [256, 2]: byte -> (2 * e2m1 of its low nibble, of its high nibble)."""
+    doubled = [int(2 * v) for v in FP4_VALUES]
+    return torch.tensor([[doubled[b & 15], doubled[b >> 4]] for b in range(256)], dtype=torch.int8, device=device)
+
+
 def from_fp4(packed: torch.Tensor, scale: torch.Tensor, counts: RowCounts | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed FP4 weight (int8 [R, C/2], E8M0 [R, C/32]) -> (int8 [R, C], float32 [R]).
@@ -142,19 +150,19 @@ def from_fp4(packed: torch.Tensor, scale: torch.Tensor, counts: RowCounts | None
     magnitude <= 96. Other rows are dequantised and rounded per row (`from_float`).
     """
     rows, half = packed.shape
-    u = packed.view(torch.uint8)
-    codes = torch.stack((u & 0xF, u >> 4), dim=-1).view(rows, 2 * half)  # [R, C] nibbles
-    doubled = torch.tensor([int(2 * v) for v in FP4_VALUES], dtype=torch.int8, device=packed.device)
-    ints = doubled[codes.long()].view(rows, -1, 32)  # [R, nb, 32] in [-12, 12]
+    u = packed.contiguous().view(torch.uint8)  # [R, C/2], element 2k in the low nibble of byte k
+    # every operand stays one byte an element: a byte -> its two doubled e2m1 values (one
+    # gather from a 256-entry table), and a block is nonzero iff a nibble's magnitude bits are
+    ints = torch.index_select(_pair_table(u.device), 0, u.reshape(-1).to(torch.int32)).view(rows, -1, 32)
+    nonzero = (u & 0x77).ne(0).view(rows, -1, 16).any(-1)  # [R, nb]: 16 bytes a block
     e = e8m0_bytes(scale).to(torch.int32)  # [R, nb] biased exponents
-    nonzero = ints.ne(0).any(-1)  # [R, nb]: zero blocks do not constrain the row scale
     big = torch.iinfo(torch.int32).max
-    emin = torch.where(nonzero, e, big).amin(-1)  # [R]
+    emin = torch.where(nonzero, e, big).amin(-1)  # [R]; zero blocks do not constrain the row scale
     emax = torch.where(nonzero, e, -1).amax(-1)
     exact = (emax - emin <= FP4_SPAN) | ~nonzero.any(-1)
     emin = torch.where(nonzero.any(-1), emin, 127)
     shift = (e - emin[:, None]).clamp(0, FP4_SPAN)  # [R, nb]; exact rows never clamp a nonzero block
-    q = (ints.to(torch.int32) << shift[..., None]).to(torch.int8).view(rows, -1)
+    q = (ints * (1 << shift).to(torch.int8)[..., None]).view(rows, -1)  # |12 * 2^3| = 96: int8 holds it
     s = torch.ldexp(torch.full((rows,), 0.5), (emin - 127).to(torch.float32))  # 2^(e_min - 127 - 1)
     if not bool(exact.all()):
         from .quant import dequantize_fp4

@@ -102,6 +102,31 @@ def test_fp4_rows_convert_exactly_when_exponents_span_at_most_3():
     assert torch.equal(q[3], from_float(deq[3:4])[0][0])  # rounded like any float row
 
 
+def test_fp4_conversion_of_every_byte_and_exponent_span():
+    """Random bytes (every pair of codes, -0 included, whole blocks of -0) under block
+    exponents spanning 0..6: an exact row is the dequantised row, q * s, bit for bit, with
+    |q| <= 96; any other row is `from_float` of it; the counts add up."""
+    g = _g(11)
+    for span in range(7):
+        packed = torch.randint(0, 256, (48, 256), generator=g, dtype=torch.uint8)
+        packed[:, 16:32] = 0x88  # a block of -0: it constrains nothing
+        packed[7] = 0
+        e = torch.randint(127 - span, 128, (48, 16), generator=g, dtype=torch.uint8)
+        e[:, 3] = 127 - 6  # a zero-only block may not...
+        packed[:, 48:64] = 0  # ...whatever its exponent
+        scale = e.view(torch.float8_e8m0fnu)
+        counts = RowCounts()
+        q, s = from_fp4(packed.view(torch.int8), scale, counts)
+        deq = dequantize_fp4(packed.view(torch.int8), scale)
+        exact = (q.float() * s[:, None] == deq).all(-1)
+        assert counts.exact + counts.rounded == 48 and int(exact.sum()) >= counts.exact >= 1
+        assert q[exact].abs().max() <= 96
+        for r in (~exact).nonzero().flatten().tolist():
+            assert torch.equal(q[r], from_float(deq[r:r + 1])[0][0]), (span, r)
+        if span <= 3:
+            assert counts.rounded == 0 and bool(exact.all())
+
+
 def test_rule_covers_the_large_linears_only():
     assert is_quantized("layers.3.attn.wq_a") and is_quantized("layers.3.attn.indexer.compressor.wkv")
     assert is_quantized("layers.0.ffn.experts.7.w2") and is_quantized("mtp.0.e_proj")
