@@ -393,6 +393,21 @@ def default_threads() -> int:
     return max(1, min(n - 1, MAX_DEFAULT_THREADS))
 
 
+def load_threads(threads: int, ranks_here: int) -> int:
+    """Threads for loading the weights (conversion, quantisation, fusing, prepacking: elementwise
+    passes that scale with cores): every CPU of this process's affinity for one rank on the host,
+    unless $OMP_NUM_THREADS holds the process to fewer; never fewer than `threads`. The serving
+    steps then run on `threads` (`default_threads`: one core is left to the rest while serving,
+    which matters only once steps spin)."""
+    if ranks_here > 1 or os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return threads
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(threads, n)
+
+
 def generation_defaults(model_dir: Path) -> dict:
     """Default sampling parameters from the model's generation_config.json, as vLLM reads it:
     the keys of GENERATION_KEYS that it sets (`do_sample: false` means greedy). Values are

@@ -24,7 +24,7 @@ import torch
 from dsv4.model import fp4_kernel, int8pack
 from dsv4.model.w8a8 import INT8_MODES
 from dsv4.model.loader import load_model
-from dsv4.engine.config import EngineConfig
+from dsv4.engine.config import EngineConfig, load_threads
 from dsv4.engine.kvcache import BlockManager
 from dsv4.engine.metrics import EngineMetrics, RequestMetrics
 from dsv4.engine.logprobs import TokenTexts
@@ -123,7 +123,8 @@ class Engine:
         self.ranks = Ranks(config) if T > 1 else None  # ranks 1..T-1, spawned; this process is rank 0
         try:
             # w8a8 on one CPU: int8 weights prepacked for oneDNN (int8pack), unless --compile
-            # asks for compiled steps, which read plain weights
+            # asks for compiled steps, which read plain weights. Loading runs on every core.
+            torch.set_num_threads(load_threads(config.threads, T // max(1, config.nnodes)))
             self.model = load_model(config.model, device=self.device, dtype=config.torch_dtype,
                                     quantization=config.quantization, progress=progress, world=T,
                                     pack=config.compile is not True, draft_vocab=config.draft_vocab_ids)
@@ -131,6 +132,8 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.close()
             raise
+        finally:
+            torch.set_num_threads(config.threads)
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
         self.quant_note = self._quant_note(config)
         self.weight_bytes = self.rank_weight_bytes[0]

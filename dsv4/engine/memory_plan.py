@@ -178,10 +178,9 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
 
 
 COMPILE_BUILD = "compile build (peak)"
-# A capture (export, then AOTInductor) holds one more copy of the weights: measured on an
-# 8-layer V4-Flash-shaped slice, w8a8, one bucket: 9.1 GiB of weights, 18.2 GiB RSS after start
-# (docs/compile.md). Counted as one copy, so a --compile that will not fit is refused before
-# anything loads instead of meeting the OOM killer halfway through its build.
+# A capture (export, then AOTInductor) holds one more copy of the weights (measured:
+# docs/compile.md, 'Memory'). Counted as one copy, so a --compile that will not fit is refused
+# before anything loads instead of meeting the OOM killer halfway through its build.
 COMPILE_BUILD_COPIES = 1.0
 
 

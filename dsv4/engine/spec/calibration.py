@@ -45,7 +45,7 @@ def _best(fn, repeats: int) -> float:
 @torch.inference_mode()
 def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: int = 4) -> None:
     """Fill the shapes of `runner.policy`'s cost tables (module docstring): each dispatch
-    the mean of `repeats` runs after a warm-up, at contexts that cover the compression's
+    the mean of `repeats` runs after a warm-up (fewer for a slow one, `_timed_runs`), at contexts that cover the compression's
     phases; each host part the best of `repeats`. `params` None: the dispatches only (the
     ranks of tensor parallelism, which do not sample)."""
     state, S, K, cfg = runner.state, runner.max_num_seqs, runner.num_spec, runner.model.cfg
@@ -84,7 +84,9 @@ def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: i
     # 1-token steps are K = 0's, where no MTP dispatch runs between two steps (whose weights
     # would push the main model's out of the caches: 10% dearer on the embedded model)
     for mtp in (True, False) if n == 1 and runner.model.has_mtp else (runner.model.has_mtp,):
-        for rep in range(repeats + 1):  # the first run of a shape warms up
+        runs = repeats + 1  # the first run of a shape warms up; a slow one cuts the timed runs
+        rep = 0
+        while rep < runs:
             at = max(0, ctx - rep % 4)
             rows = [(s, at, ids(n)) for s in range(b)]
             for s in range(b):
@@ -100,9 +102,23 @@ def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: i
                 times["verify" if mtp else "alone"].append(t_draft - t)
                 if mtp:
                     times["draft"].append(time.perf_counter() - t_draft)
+            else:
+                runs = 1 + _timed_runs(time.perf_counter() - t, repeats)
+            rep += 1
     pol.verify.calibrate(b * n, _typical(times["alone"] or times["verify"]))
     if runner.model.has_mtp:
         pol.draft.calibrate(b * n, _typical(times["draft"]))
+
+
+SHAPE_BUDGET = 0.5  # seconds of timed runs a shape may take before fewer than `repeats` are made
+
+
+def _timed_runs(warmup: float, repeats: int) -> int:
+    """How many runs to time after a warm-up that took `warmup` seconds: `repeats`, fewer when
+    they would take over SHAPE_BUDGET (a large model's dispatch lasts long enough that one
+    run's noise is small next to it, and its calibration would otherwise hold up the start
+    for tens of seconds: docs/serving.md, 'dsv4/engine/spec/calibration.py'), never fewer than one."""
+    return max(1, min(repeats, int(SHAPE_BUDGET / max(warmup, 1e-9))))
 
 
 def _typical(xs: list[float]) -> float:
