@@ -193,7 +193,7 @@ class Server:
             busy = self._has_work()
             self._listening()  # a long gap since the last read is deaf time
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
-            self._listening()  # the poll itself listened
+            self.last_listen = time.monotonic()  # the poll itself listened (an idle wait is not deaf time)
             if self._guard is not None:
                 self._guard.handle()
             if self._wake_r.fileno() in events or self._wake_r in events:

@@ -44,6 +44,13 @@ def check_hosts(tensor_parallel_size: int, nnodes: Any, node_rank: Any, master_a
     if not isinstance(rendezvous_timeout, (int, float)) or rendezvous_timeout <= 0:
         raise EngineConfigError(f"--rendezvous-timeout must be a positive number of seconds, "
                                 f"got {rendezvous_timeout!r}")
+    if tensor_parallel_size > 1:
+        from dsv4.engine.parallel.transport import collective_timeout_s
+
+        try:
+            collective_timeout_s()
+        except ValueError as e:
+            raise EngineConfigError(str(e)) from None
 
 
 def check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,

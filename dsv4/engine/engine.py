@@ -21,14 +21,14 @@ from typing import Any, Callable
 
 import torch
 
-from dsv4.model import fp4_kernel, int8pack
+from dsv4.model import fp4_kernel, int8pack, parallel
 from dsv4.model.w8a8 import INT8_MODES
 from dsv4.model.loader import load_model
 from dsv4.engine.config import EngineConfig, load_threads
 from dsv4.engine.kvcache import BlockManager
 from dsv4.engine.metrics import EngineMetrics, RequestMetrics
 from dsv4.engine.logprobs import TokenTexts
-from dsv4.engine.parallel.ranks import RankError, Ranks, agree_pool, gather_weight_bytes
+from dsv4.engine.parallel.ranks import START_TIMEOUT_S, RankError, Ranks, agree_pool, gather_weight_bytes
 from dsv4.engine.request import Request, RequestError
 from dsv4.engine.runner import Runner
 from dsv4.engine.spec.verify import StepResult
@@ -150,6 +150,8 @@ class Engine:
             from dsv4.engine.compile.start import start_compiled
 
             self.compile_note = start_compiled(self.runner, config, progress)
+            if self.ranks is not None:
+                parallel.meet(START_TIMEOUT_S)  # with the followers' (ranks.py), after every rank's compile
         self.calibration_s = 0.0
         if self.policy is not None:
             t = time.perf_counter()
@@ -168,6 +170,8 @@ class Engine:
                                  think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
                                  think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
                                  budget_s=config.grammar_compile_timeout)
+        if self.ranks is not None:  # started: an idle engine's ranks hear from it within the timeout
+            self.ranks.start_keepalive()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,
@@ -307,14 +311,15 @@ class Engine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        if self.ranks is not None:
-            self.ranks.check()
-        try:
+        if self.ranks is None:
             results = self.runner.execute(plan)
-        except Exception as e:
-            if self.ranks is None:
-                raise
-            raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
+        else:
+            self.ranks.check()
+            try:
+                with self.ranks.lock:  # no keepalive between a step's messages
+                    results = self.runner.execute(plan)
+            except Exception as e:
+                raise self.ranks.failure(e) from None  # the group is broken: name the rank that died
         if self.profiler is not None:
             self.profiler.step()
         now = time.monotonic()

@@ -109,6 +109,19 @@ def close() -> None:
     _SERVER = None
 
 
+def meet(timeout_s: float) -> None:
+    """Wait until every rank reaches this point, for up to `timeout_s` (rather than the
+    group's collective timeout): the start's phases (loading a shard, building compiled
+    steps) may take the ranks minutes apart. gloo's `monitored_barrier` takes the timeout;
+    other backends wait as long as their group timeout."""
+    if _GROUP is None:
+        return
+    if dist.get_backend() == "gloo":
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier()
+
+
 def world_size() -> int:
     return dist.get_world_size() if _GROUP is not None else 1
 

@@ -1,8 +1,9 @@
 """`dsv4 serve --tensor-parallel-size 2` as a real daemon (rank 1 a spawned process, gloo):
 the same greedy text as one process, each rank's weight bytes in `status`, `dsv4 stop`
 stops every rank, and a rank killed mid-request fails the client and the daemon (exit 1)
-with no process left behind; two "hosts" on loopback (--nnodes 2) give the same text,
-and a host whose master never answers fails in one line."""
+with no process left behind; two "hosts" on loopback (--nnodes 2) give the same text; both
+serve after idling past the collective timeout (rank 0 keeps its ranks waiting); and a host
+whose master never answers fails in one line."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import signal
 import time
 from pathlib import Path
 
-from tests.e2e.util import Daemon, dsv4, free_port, reap, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import Daemon, dsv4, env_for, free_port, reap, run_json, short_dir, spawn, status, wait_until
 
 PROMPT = "Hamlet:"
 N = 12
+SHORT_TIMEOUT = {"DSV4_COLLECTIVE_TIMEOUT": "5"}  # a collective fails after 5 s ...
+IDLE_S = 7.0  # ... and the daemons idle longer than that
 
 
 def descendants(pid: int) -> list[int]:
@@ -48,11 +51,14 @@ def alive(pid: int) -> bool:
 
 
 def test_two_ranks_serve_the_same_text_and_stop_together(daemon: Daemon, tiny_model: Path) -> None:
+    """... after idling longer than a collective may take: rank 0 keeps its idle ranks waiting."""
     ref = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=daemon.endpoint)
-    d = Daemon(tiny_model, "--tensor-parallel-size", "2").wait_ready(timeout=180)
+    d = Daemon(tiny_model, "--tensor-parallel-size", "2", env=env_for(**SHORT_TIMEOUT)).wait_ready(timeout=180)
     try:
         kids = descendants(d.proc.pid)
         assert kids
+        time.sleep(IDLE_S)
+        assert "did not read its socket" not in d.log.read_text()  # an idle wait is listening, not deaf time
         out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
         assert out["text"] == ref["text"]
         st = status(d.endpoint)
@@ -101,11 +107,16 @@ def test_two_hosts_on_loopback_give_the_same_text(daemon: Daemon, tiny_model: Pa
     port, other_dir = free_port(), short_dir()
     common = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
     other = spawn("serve", "--model", str(tiny_model), "--socket", f"ipc://{other_dir}/h1.sock", *common,
-                  "--node-rank", "1")
-    d = Daemon(tiny_model, *common, "--node-rank", "0")
+                  "--node-rank", "1", env=env_for(**SHORT_TIMEOUT))
+    d = Daemon(tiny_model, *common, "--node-rank", "0", env=env_for(**SHORT_TIMEOUT))
     try:
-        d.wait_ready(timeout=180)
+        try:
+            d.wait_ready(timeout=180)
+        except RuntimeError as e:  # node 1's own words
+            raise AssertionError(f"{e}\nnode 1 (exit {other.poll()}): {other.stderr.read() if other.poll() is not None else ''}")
         assert list(other_dir.iterdir()) == []  # node 1 binds nothing
+        time.sleep(IDLE_S)  # node 1 waits on the group, past the collective timeout: rank 0 keeps it alive
+        assert other.poll() is None, other.stderr.read()
         out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
         assert out["text"] == ref["text"]
         assert dsv4("stop", endpoint=d.endpoint, timeout=60).returncode == 0
@@ -140,3 +151,10 @@ def test_nnodes_without_master_is_refused(tiny_model: Path) -> None:
                                "and a free port there)", r.stderr
 
 
+
+
+def test_a_bad_collective_timeout_is_refused_before_loading(tiny_model: Path) -> None:
+    r = dsv4("serve", "--model", str(tiny_model), "--socket", "ipc:///tmp/dsv4t-none/d.sock",
+             "--tensor-parallel-size", "2", env=env_for(DSV4_COLLECTIVE_TIMEOUT="0"))
+    assert r.returncode == 2
+    assert r.stderr.strip() == "dsv4: DSV4_COLLECTIVE_TIMEOUT='0': a number of seconds above 0 (default 60)", r.stderr

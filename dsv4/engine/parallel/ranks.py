@@ -29,7 +29,7 @@ from dsv4.model import parallel
 from dsv4.engine.parallel import step_plan as plan
 
 BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-COLLECTIVE_TIMEOUT_S = 60.0
+START_TIMEOUT_S = 3600.0  # how far apart the ranks may finish a start phase (a shard's load, a compile)
 
 
 class RankError(RuntimeError):
@@ -44,6 +44,7 @@ def rank_device(device: str, rank: int) -> str:
 
 def gather_weight_bytes(model: torch.nn.Module) -> list[int]:
     """Every rank's resident weight bytes, in rank order (a collective: all ranks call it once after loading)."""
+    parallel.meet(START_TIMEOUT_S)  # the ranks finish loading minutes apart on a big model
     tensors = list(model.state_dict().values())
     extra = (getattr(model, "draft_head", None) or {}).values()  # the MTP's own head (int8 copy, draft vocabulary)
     mine = sum(t.numel() * t.element_size() for t in [*tensors, *extra])
@@ -75,8 +76,10 @@ def _local_device(config: Any, rank: int) -> str:
 
 def _join(rank: int, config: Any, addr: str, port: int, dev: str, listener: socket.socket | None = None) -> None:
     agent = config.launch is not None and config.launch.agent_store  # torchrun's agent serves the store
+    from dsv4.engine.parallel.transport import collective_timeout_s
+
     parallel.init(rank, config.tensor_parallel_size, addr, port, backend=BACKENDS[dev.partition(":")[0]],
-                  timeout_s=COLLECTIVE_TIMEOUT_S, rendezvous_s=config.rendezvous_timeout,
+                  timeout_s=collective_timeout_s(), rendezvous_s=config.rendezvous_timeout,
                   serve_store=False if agent else None, listener=listener)
     if config.plan_transport == "shm":  # resolved: "shm" on one host, else "object"
         from dsv4.engine.parallel.transport import ShmChannel
@@ -110,6 +113,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
         from dsv4.engine.compile.start import start_compiled
 
         start_compiled(runner, config)
+        parallel.meet(START_TIMEOUT_S)  # with rank 0's, after its compile
     if policy is not None:
         calibrate(runner)  # the dispatches only: rank 0 samples
     plan.follow(runner)
@@ -160,6 +164,10 @@ class Ranks:
 
     def __init__(self, config: Any):
         T, N, launch = config.tensor_parallel_size, config.nnodes, config.launch
+        self.lock = threading.Lock()  # held by whoever sends through the group: a step, a keepalive, close
+        self._stopping = threading.Event()
+        self._keepalive: threading.Thread | None = None
+        self._keepalive_error: BaseException | None = None
         per_host = T // N if launch is None else 1  # the ranks this process starts, itself included
         self.first = config.node_rank * per_host if launch is None else launch.rank
         addr = config.master_addr or "127.0.0.1" if launch is None else launch.master_addr
@@ -202,15 +210,42 @@ class Ranks:
         if plan.channel() is not None and self.procs:  # waiting for a dead rank's ack fails at once
             plan.channel().check = self.check
 
+    def start_keepalive(self) -> None:
+        """Rank 0, once started: while no step goes out for a quarter of the collective
+        timeout, send the other ranks a keepalive, so an idle engine's ranks never time out
+        waiting for its next plan (a frozen rank 0 still fails them within the timeout).
+        Steps hold `lock`; a keepalive that fails is raised by the next `check`."""
+        if self.first != 0 or self._keepalive is not None:
+            return
+        from dsv4.engine.parallel.transport import collective_timeout_s
+
+        every = collective_timeout_s() / 4
+        self._keepalive = threading.Thread(target=self._keep_alive, args=(every,), name="dsv4-keepalive",
+                                           daemon=True)
+        self._keepalive.start()
+
+    def _keep_alive(self, every: float) -> None:
+        while not self._stopping.wait(min(every, max(0.05, every - plan.idle_s()))):
+            with self.lock:
+                if self._stopping.is_set() or plan.idle_s() < every:
+                    continue
+                try:
+                    plan.broadcast(plan.KEEPALIVE)
+                except BaseException as e:  # noqa: BLE001  (the group is broken: the next step says so)
+                    self._keepalive_error = e
+                    return
+
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
     def check(self) -> None:
-        """Raise `RankError` if a worker has exited."""
+        """Raise `RankError` if a worker has exited, or a keepalive found the group broken."""
         for r, p in enumerate(self.procs, start=self.first + 1):
             if not p.is_alive():
                 raise RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
+        if self._keepalive_error is not None:
+            raise self.failure(self._keepalive_error)
 
     def failure(self, e: BaseException) -> RankError:
         """The one-line error for a step that raised `e`: the rank that died (waiting up to
@@ -228,9 +263,13 @@ class Ranks:
 
     def close(self) -> None:
         """Stop the workers: the stop message while all live, then terminate, then kill."""
+        self._stopping.set()
+        if self._keepalive is not None:
+            self._keepalive.join()
         try:
             if parallel.world_size() > 1 and parallel.rank() == 0 and all(p.is_alive() for p in self.procs):
-                plan.broadcast(None)
+                with self.lock:
+                    plan.broadcast(None)
         except Exception:  # noqa: BLE001  (a peer died meanwhile)
             pass
         for p in self.procs:

@@ -22,6 +22,8 @@ from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import SchedulerOutput
 
 _CHANNEL: Any = None  # a transport.ShmChannel on one host; None: through the group
+KEEPALIVE = "keepalive"  # rank 0's message while it has no step to send: the others go on waiting
+_LAST_SENT = [time.monotonic()]  # when rank 0 last broadcast (monotonic seconds)
 
 
 def use_channel(channel: Any) -> None:
@@ -47,12 +49,18 @@ def broadcast(obj: Any = None) -> Any:
     """Rank 0's `obj` on every rank (a step's plan, then its results): through the channel
     when one is installed, else `parallel.broadcast_object`. Counted in `parallel.STATS`
     as "broadcast_object" either way."""
+    _LAST_SENT[0] = time.monotonic()
     if _CHANNEL is None or parallel.world_size() == 1:
         return parallel.broadcast_object(obj)
     t0 = time.perf_counter()
     out = _CHANNEL.broadcast(obj)
     parallel.count("broadcast_object", t0)
     return out
+
+
+def idle_s() -> float:
+    """Seconds since this process last broadcast (rank 0: since the other ranks last heard from it)."""
+    return time.monotonic() - _LAST_SENT[0]
 
 
 def plan_message(plan: SchedulerOutput, drafts: dict[int, list[int]],
@@ -80,6 +88,8 @@ def follow(runner: Any) -> None:
         msg = broadcast(None)
         if msg is None:
             return
+        if msg == KEEPALIVE:
+            continue
         # auto K: the MTP depth of this step, as rank 0 chose it; sampled drafts: rank 0 sends each depth's
         pre, dec, num_drafts, runner.sync_drafts, kv = msg
         plan = SchedulerOutput(kv=kv, num_drafts=num_drafts)

@@ -27,7 +27,20 @@ import torch.distributed as dist
 TRANSPORTS = ("auto", "shm", "object")
 DEFAULT_CAPACITY = 1 << 20  # bytes: a plan with about 100K new prompt tokens; larger ones use the group
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else None
-ACK_WAIT_S = 60.0  # as long as a collective may take (ranks.COLLECTIVE_TIMEOUT_S)
+
+
+def collective_timeout_s() -> float:
+    """How long a rank waits for its peers in one collective (or rank 0 for the others'
+    acknowledgement) before it calls the group broken: $DSV4_COLLECTIVE_TIMEOUT seconds,
+    60 by default. Rank 0 keeps an idle group inside it (`Ranks` sends keepalives)."""
+    raw = os.environ.get("DSV4_COLLECTIVE_TIMEOUT", "60")
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"DSV4_COLLECTIVE_TIMEOUT={raw!r}: a number of seconds above 0 (default 60)")
+    return value
 
 
 class TransportError(RuntimeError):
@@ -125,7 +138,7 @@ class ShmChannel:
         collectives come between two messages); `check` every 0.1 s meanwhile, so a rank
         that died while the others waited fails the step within moments."""
         deadline = checked = None
-        spins = 0
+        spins, wait_s = 0, collective_timeout_s()
         while min(struct.unpack_from(f"<{self.world - 1}q", self.buf, 8)) < seq:
             spins += 1
             if spins <= 100:
@@ -133,12 +146,12 @@ class ShmChannel:
             time.sleep(0.0001)
             now = time.monotonic()
             if deadline is None:
-                deadline, checked = now + ACK_WAIT_S, now
+                deadline, checked = now + wait_s, now
             if self.check is not None and now - checked >= 0.1:
                 checked = now
                 self.check()
             if now > deadline:
-                raise TransportError(f"plan message {seq} was not read by every rank within {ACK_WAIT_S:g} s")
+                raise TransportError(f"plan message {seq} was not read by every rank within {wait_s:g} s")
 
     def close(self) -> None:
         self.buf.close()
