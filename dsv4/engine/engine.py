@@ -134,6 +134,34 @@ class Engine:
             raise
         finally:
             torch.set_num_threads(config.threads)
+        try:
+            self._start(config, progress)
+        except Exception as e:
+            if self.ranks is None:
+                raise
+            broken = type(e) is RuntimeError or isinstance(e, torch.distributed.DistError)  # a collective's
+            err = self.ranks.failure(e, "start") if broken else e
+            self.ranks.close()
+            raise err from None
+        self.metrics = EngineMetrics()
+        self.profiler = _profiler(config)
+        self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
+        self._builder_poll = 0.0
+        self.started = time.time()
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
+        tok = self.tokenizer  # structured outputs: llguidance over this vocabulary, built at the first use
+        self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
+                                 think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
+                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
+                                 budget_s=config.grammar_compile_timeout)
+        if self.ranks is not None:  # started: an idle engine's ranks hear from it within the timeout
+            self.ranks.start_keepalive()
+
+    def _start(self, config: EngineConfig, progress: Any) -> None:
+        """Everything after loading that the ranks do together: their weight bytes, the state
+        pool, the runner and scheduler, compiled steps, auto K's calibration."""
         self.rank_weight_bytes = gather_weight_bytes(self.model)  # [this one] at T = 1
         self.quant_note = self._quant_note(config)
         self.weight_bytes = self.rank_weight_bytes[0]
@@ -157,21 +185,6 @@ class Engine:
             t = time.perf_counter()
             calibrate(self.runner, self.default_params)
             self.calibration_s = time.perf_counter() - t
-        self.metrics = EngineMetrics()
-        self.profiler = _profiler(config)
-        self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
-        self._builder_poll = 0.0
-        self.started = time.time()
-        self._tracks: dict[str, _Track] = {}
-        self._ids = itertools.count()
-        self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
-        tok = self.tokenizer  # structured outputs: llguidance over this vocabulary, built at the first use
-        self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
-                                 think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
-                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
-                                 budget_s=config.grammar_compile_timeout)
-        if self.ranks is not None:  # started: an idle engine's ranks hear from it within the timeout
-            self.ranks.start_keepalive()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,

@@ -247,9 +247,9 @@ class Ranks:
         if self._keepalive_error is not None:
             raise self.failure(self._keepalive_error)
 
-    def failure(self, e: BaseException) -> RankError:
-        """The one-line error for a step that raised `e`: the rank that died (waiting up to
-        2 s for its sentinel), or the collective's own first line."""
+    def failure(self, e: BaseException, during: str = "step") -> RankError:
+        """The one-line error for a step (or the `during` "start") that raised `e`: the rank
+        that died (waiting up to 2 s for its sentinel), or the collective's own first line."""
         from multiprocessing.connection import wait
 
         ready = set(wait([p.sentinel for p in self.procs], timeout=2.0))
@@ -259,7 +259,7 @@ class Ranks:
                 p.join(5)
                 return RankError(f"tensor-parallel rank {r} (pid {p.pid}) exited with code {p.exitcode}")
         line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        return RankError(f"tensor-parallel step failed: {type(e).__name__}: {line}")
+        return RankError(f"tensor-parallel {during} failed: {type(e).__name__}: {line}")
 
     def close(self) -> None:
         """Stop the workers: the stop message while all live, then terminate, then kill."""
