@@ -27,7 +27,7 @@ class ServedEngine(Protocol):
     quant_note: str  # a banner line on the quantised paths ("" for none)
     compile_note: str  # a banner line on compiled buckets ("" when not compiling)
     policy: Any  # the auto-K policy, None when K is fixed
-    calibration_s: float  # seconds the auto-K step costs took to time
+    calibration_note: str  # the banner's line on the auto-K step costs (timed, or from the cache)
 
     def make_params(self, fields: dict[str, Any]) -> Any:
         """Validated sampling parameters from a request's fields (raises ValueError)."""

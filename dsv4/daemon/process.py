@@ -257,7 +257,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
         if building:
             log.info("%s", building)
         if engine.policy is not None:
-            log.info("auto K: decode step costs timed in %.1f s", engine.calibration_s)
+            log.info("%s", engine.calibration_note)
         also = (http.endpoint,) if http is not None else ()
         server = Server(engine, endpoint, model_name=model_name, also_bind=also, context=ctx, api_key=api_key,
                         settings=engine_settings(config),

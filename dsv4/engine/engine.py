@@ -35,6 +35,7 @@ from dsv4.engine.spec.verify import StepResult
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.spec.calibration import calibrate
+from dsv4.engine.spec import cost_cache
 from dsv4.engine.spec.policy import SpecPolicy
 from dsv4.engine.stop import StopChecker
 from dsv4.engine.grammar.masks import Grammars
@@ -180,11 +181,19 @@ class Engine:
             self.compile_note = start_compiled(self.runner, config, progress)
             if self.ranks is not None:
                 parallel.meet(START_TIMEOUT_S)  # with the followers' (ranks.py), after every rank's compile
-        self.calibration_s = 0.0
-        if self.policy is not None:
+        self.calibration_s, self.calibration_note = 0.0, ""
+        if self.policy is not None:  # timed, or loaded from the calibration cache (spec/cost_cache.py)
             t = time.perf_counter()
-            calibrate(self.runner, self.default_params)
+            key = cost_cache.key(config, self.default_params)
+            record = cost_cache.load(self.policy, key)
+            if self.ranks is not None:  # the followers time alongside rank 0, or not at all
+                parallel.broadcast_object(record is not None)
+            if record is None:
+                calibrate(self.runner, self.default_params)
             self.calibration_s = time.perf_counter() - t
+            if record is None:
+                cost_cache.save(self.policy, key, self.calibration_s)
+            self.calibration_note = cost_cache.note(record, self.calibration_s)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,

@@ -143,3 +143,33 @@ def test_calibration_fits_the_shortest_context(tiny_checkpoint, max_model_len):
     assert llm.engine.policy.verify.shape
     (out,) = llm.generate([[5]], SamplingParams(max_tokens=1, ignore_eos=True))
     assert len(out.token_ids) == 1
+
+
+def test_a_second_start_loads_the_calibration_and_serves_the_same(tiny_checkpoint, tmp_path, monkeypatch):
+    """The calibration cache (spec/cost_cache.py): the first start times the costs and keeps
+    them; a second with the same settings loads the same tables (no timing) and generates
+    the same tokens; other settings, DSV4_CALIBRATION=fresh, a corrupt entry and a directory
+    other users may write are timed again."""
+    monkeypatch.setenv("DSV4_CALIBRATION_DIR", str(tmp_path / "cal"))
+    kw = dict(num_speculative_tokens="auto", max_num_seqs=2, max_model_len=256)
+    first = LLM(tiny_checkpoint, **kw).engine
+    assert first.calibration_note.startswith("auto K: decode step costs timed in")
+    entries = list((tmp_path / "cal").glob("*.json"))
+    assert len(entries) == 1 and (tmp_path / "cal").stat().st_mode & 0o777 == 0o700
+    tables = ("verify", "verify_host", "draft", "draft_host")
+    second = LLM(tiny_checkpoint, **kw).engine
+    assert "from the calibration cache" in second.calibration_note, second.calibration_note
+    for t in tables:
+        assert getattr(second.policy, t).shape == getattr(first.policy, t).shape
+    prompts, sp = _prompts([3, 20]), SamplingParams(max_tokens=8, ignore_eos=True)
+    ref = [c.token_ids for c in LLM(tiny_checkpoint, num_speculative_tokens=0, max_model_len=256).generate(prompts, sp)]
+    assert [c.token_ids for c in LLM(tiny_checkpoint, **kw).generate(prompts, sp)] == ref
+    assert LLM(tiny_checkpoint, **{**kw, "max_num_seqs": 3}).engine.calibration_note.startswith("auto K: decode step costs timed")
+    monkeypatch.setenv("DSV4_CALIBRATION", "fresh")
+    assert LLM(tiny_checkpoint, **kw).engine.calibration_note.startswith("auto K: decode step costs timed")
+    monkeypatch.delenv("DSV4_CALIBRATION")
+    entries[0].write_text('{"tables": {"verify": {"1": "x"')
+    assert LLM(tiny_checkpoint, **kw).engine.calibration_note.startswith("auto K: decode step costs timed")
+    assert "from the calibration cache" in LLM(tiny_checkpoint, **kw).engine.calibration_note  # rewritten
+    (tmp_path / "cal").chmod(0o777)
+    assert LLM(tiny_checkpoint, **kw).engine.calibration_note.startswith("auto K: decode step costs timed")

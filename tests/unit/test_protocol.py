@@ -155,7 +155,7 @@ class FakeEngine:
     ranks = None
     weight_bytes, rank_weight_bytes = 0, [0]
     quant_note = compile_note = ""
-    policy, calibration_s = None, 0.0
+    policy, calibration_note = None, ""
 
     def __init__(self, step_delay: float = 0.005) -> None:
         self.live: dict[str, list[int]] = {}  # rid -> [emitted, max_tokens]

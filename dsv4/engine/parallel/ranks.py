@@ -114,7 +114,7 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
 
         start_compiled(runner, config)
         parallel.meet(START_TIMEOUT_S)  # with rank 0's, after its compile
-    if policy is not None:
+    if policy is not None and not parallel.broadcast_object(None):  # rank 0 found no calibration cached
         calibrate(runner)  # the dispatches only: rank 0 samples
     plan.follow(runner)
 
