@@ -21,8 +21,8 @@ from torch import nn
 from ..config import CSA, WINDOW, ModelConfig
 from . import int8pack, parallel
 from .compressor import Compressor, Indexer
-from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, inverse_rotation,
-                     project, rms_unweighted, rot_rows)
+from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, Source, apply_rope, cast, constant, f32,
+                     inverse_rotation, project, rms_unweighted, rot_rows, sourced_rows)
 from .state import Batch, LayerState, flat_rows
 
 
@@ -98,9 +98,12 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, ratio)
         self.fused: FusedLinear | None = None
 
-    def fuse(self) -> None:
-        """Inference: one matmul for every projection of the layer input (see `FusedLinear`)."""
-        self.fused = FusedLinear(self._x_linears())
+    def fuse(self, copy: bool = True, source: Source | None = None, prefix: str = "") -> None:
+        """Inference: one matmul for every projection of the layer input (see `FusedLinear`;
+        `copy` False: the linears hold nothing yet, their values are not copied; `source`:
+        where the fused storage may come from, this module being named `prefix`)."""
+        mods = self._x_linears()
+        self.fused = FusedLinear(mods, sourced_rows(source, self, prefix, mods), copy=copy)
 
     def pack_int8(self, min_bytes: int) -> int:
         """`int8pack.pack_model`: the fused projections of x, and `wo_a` with one packed weight

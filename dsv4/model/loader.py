@@ -23,6 +23,7 @@ from ..config import ModelConfig
 from . import int8pack, kernels, parallel, sharding
 from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
+from .layers import Source
 from .model import DeepseekV4
 from .mapped import MappedFiles
 from .mxfp4 import FP4Linear, to_mxfp4
@@ -105,10 +106,16 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
     try:
         model.to_empty(device=dev)
-        if fuse:
-            model.fuse_projections()
-        mapped = _map_fp4(model, ck, dev, layout)  # the FP4 experts: views of the files' pages
-        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout, skip=mapped)
+        files, fused, grouped = MappedFiles(), set(), set()
+        maps = layout is None and dev.type == "cpu"  # one rank's whole tensors: the files' pages will do
+        if fuse:  # empty storage: the stream below fills the fused tensors, unless they are mapped
+            model.fuse_projections(copy=False, source=_fused_source(ck, files, fused, grouped) if maps else None)
+        mapped = _map_fp4(model, ck, dev, layout, files)  # the FP4 experts: views of the files' pages
+        if maps:
+            mapped |= _map_as_stored(model, ck, files, skip=grouped | mapped)
+        files.close()
+        _stream_into(model, ck, dev, progress, counts if counts is not None else RowCounts(), layout,
+                     skip=mapped | fused)
     except (RuntimeError, MemoryError, CheckpointError) as e:
         if "allocate memory" not in str(e) and "out of memory" not in str(e).lower():
             raise
@@ -214,12 +221,58 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
             progress(i + 1, total)
 
 
-def _map_fp4(model: DeepseekV4, ck: Checkpoint, dev: torch.device, layout: sharding.Layout | None
-             ) -> frozenset[str]:
+def _fused_source(ck: Checkpoint, files: MappedFiles, done: set[str], asked: set[str]) -> Source:
+    """`fuse_projections`' source on the CPU: a group of tensors that one file stores back to
+    back, in the fused order and the model's dtype (as `dsv4 convert` writes them), is used
+    as mapped (its names added to `done`, float ones checked finite); None: read and copied.
+    Every name asked for goes into `asked` (they live in fused storage, mapped or not)."""
+    def source(names: list[str], dtype: torch.dtype, numel: int) -> torch.Tensor | None:
+        asked.update(names)
+        entries = [ck.entries.get(n) for n in names]
+        if any(e is None or ck.plan.get(n) not in ("int8", "plain") for n, e in zip(names, entries)):
+            return None
+        if len({e.file for e in entries}) != 1:
+            return None
+        flat = files.span(entries[0].file, names, dtype)
+        if flat is None or flat.numel() != numel:
+            return None
+        validate_tensor(names[0], entries[0].file, flat)  # NaN/inf in a mapped float group (row scales)
+        done.update(names)
+        return flat
+    return source
+
+
+def _map_as_stored(model: DeepseekV4, ck: Checkpoint, files: MappedFiles, skip: set[str]) -> frozenset[str]:
+    """Point every other parameter and buffer the checkpoint stores as the model holds it
+    (same dtype and shape, used as stored: int8 from `dsv4 convert`, float tensors in the
+    model's dtype) at the file's pages instead of copying it; float ones are checked finite.
+    Returns the names filled."""
+    done = set()
+    for mod_name, mod in model.named_modules():
+        for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
+            name = f"{mod_name}.{attr}" if mod_name else attr
+            entry = ck.entries.get(name)
+            if name in skip or entry is None or ck.plan.get(name) not in ("int8", "plain") or t.is_meta:
+                continue
+            view = files.span(entry.file, [name], t.dtype)
+            if view is None or view.numel() != t.numel():
+                continue
+            view = view.view(t.shape)
+            validate_tensor(name, entry.file, view)
+            if isinstance(t, torch.nn.Parameter):
+                t.data = view
+            else:
+                setattr(mod, attr, view)
+            done.add(name)
+    return frozenset(done)
+
+
+def _map_fp4(model: DeepseekV4, ck: Checkpoint, dev: torch.device, layout: sharding.Layout | None,
+             files: MappedFiles) -> frozenset[str]:
     """Point every `FP4Linear` (of the experts this rank holds) at its packed weight and E8M0
     scales as the files store them (`mapped.MappedFiles`: no copy on the CPU); a scale byte
     of 255 (E8M0's NaN) is a CheckpointError naming the tensor. Returns the names filled."""
-    files, done = MappedFiles(), set()
+    done = set()
     for n, m in model.named_modules():
         if not isinstance(m, FP4Linear) or (layout is not None and not layout.holds(f"{n}.weight")):
             continue
@@ -229,7 +282,6 @@ def _map_fp4(model: DeepseekV4, ck: Checkpoint, dev: torch.device, layout: shard
             raise CheckpointError(f"tensor {s!r} in {ck.entries[s].file.name} holds E8M0 NaN scales (255)")
         m.weight, m.scale = packed.view(torch.uint8).to(dev), scale.to(dev)
         done.update((w, s))
-    files.close()
     return frozenset(done)
 
 

@@ -4,10 +4,12 @@
     packed = files.tensor(path, "layers.3.ffn.experts.7.w1.weight")   # a uint8 view of the file's pages
 
 A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data
-offsets) and the data. Each file is mapped once (MAP_PRIVATE, readable and copy-on-write:
-pages come from the page cache and are shared by every process that maps the file, so a
-restart on a warm page cache reads nothing again and tensor-parallel ranks on one host hold
-one copy); tensors are `torch.frombuffer` views of it, which keep the mapping alive.
+offsets) and the data. Each tensor (or run of tensors stored back to back: `span`) is a
+mapping of just the pages that hold it (MAP_PRIVATE, readable and copy-on-write: pages come
+from the page cache and are shared by every process that maps the file, so a restart on a
+warm page cache reads nothing again and ranks on one host hold one copy; a private mapping
+counts against RLIMIT_DATA, so nothing unused is mapped); tensors are `torch.frombuffer`
+views of their mapping, which keeps it alive.
 
 At open every tensor's offsets are checked against the header and the file's size: a
 truncated file is a `CheckpointError` naming it, never a page fault at decode. A file changed
@@ -32,10 +34,11 @@ class MappedFiles:
     """The mapped safetensors files of one load (each mapped once, headers checked at open)."""
 
     def __init__(self) -> None:
-        self._maps: dict[Path, tuple[mmap.mmap, int, dict]] = {}
+        self._files: dict[Path, tuple[int, dict]] = {}  # file -> (data start, header), checked
 
-    def _open(self, file: Path) -> tuple[mmap.mmap, int, dict]:
-        got = self._maps.get(file)
+    def _open(self, file: Path) -> tuple[int, dict]:
+        """`file`'s data start and header, every tensor's offsets checked against its size."""
+        got = self._files.get(file)
         if got is not None:
             return got
         try:
@@ -46,19 +49,30 @@ class MappedFiles:
                 if not 0 <= start <= end or data + end > size:
                     raise CheckpointError(f"truncated or corrupt safetensors file {file}: tensor {name!r} ends at "
                                           f"byte {data + end}, the file has {size}")
-            with open(file, "rb") as fh:
-                mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         except SafetensorsError as e:
             raise CheckpointError(str(e)) from None
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
-        self._maps[file] = got = (mm, data, header)
+        self._files[file] = got = (data, header)
         return got
+
+    def _window(self, file: Path, start: int, end: int) -> torch.Tensor:
+        """Bytes [start, end) of `file` as a uint8 view of a mapping of just the pages that hold
+        them (a private mapping counts against RLIMIT_DATA: only what is used is mapped)."""
+        page = mmap.ALLOCATIONGRANULARITY
+        lo = start // page * page
+        try:
+            with open(file, "rb") as fh:
+                mm = mmap.mmap(fh.fileno(), end - lo, access=mmap.ACCESS_COPY, offset=lo)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
+        return torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=start - lo)
 
     def tensor(self, file: Path, name: str) -> torch.Tensor:
         """`name` from `file` as a view of the mapped pages, in its stored dtype (E8M0 scales and
         packed FP4 as uint8)."""
-        mm, data, header = self._open(Path(file))
+        file = Path(file)
+        data, header = self._open(file)
         meta = header.get(name)
         if meta is None:
             raise CheckpointError(f"{file} holds no tensor {name!r}")
@@ -70,7 +84,7 @@ class MappedFiles:
         count = end - start
         if count == 0:
             return torch.empty(shape, dtype=dtype)
-        raw = torch.frombuffer(mm, dtype=torch.uint8, count=count, offset=data + start)
+        raw = self._window(file, data + start, data + end)
         if dtype is not torch.uint8:
             raw = raw.view(dtype)
         if raw.numel() != (n := int(torch.tensor(shape).prod().item()) if shape else 1):
@@ -78,6 +92,24 @@ class MappedFiles:
                                   f"({n} elements of {meta['dtype']})")
         return raw.view(shape)
 
+    def span(self, file: Path, names: list[str], dtype: torch.dtype) -> torch.Tensor | None:
+        """The tensors `names` of `file` as one flat `dtype` view of the mapped pages, when the
+        file stores them back to back in this order, each as `dtype` (None otherwise)."""
+        file = Path(file)
+        data, header = self._open(file)
+        metas = [header.get(n) for n in names]
+        if any(m is None or _DTYPES.get(m["dtype"]) is not dtype or m["dtype"] == "F8_E8M0" for m in metas):
+            return None
+        if any(a["data_offsets"][1] != b["data_offsets"][0] for a, b in zip(metas, metas[1:])):
+            return None
+        start, end = metas[0]["data_offsets"][0], metas[-1]["data_offsets"][1]
+        if end == start:
+            return None
+        try:
+            return self._window(file, data + start, data + end).view(dtype)
+        except RuntimeError:  # not aligned for dtype's elements
+            return None
+
     def close(self) -> None:
-        """Forget the mappings (tensors made from them keep theirs alive)."""
-        self._maps.clear()
+        """Forget the headers read (tensors keep their own mappings alive)."""
+        self._files.clear()

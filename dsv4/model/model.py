@@ -21,7 +21,7 @@ from torch import nn
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
 from . import int8pack, kernels, parallel
-from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
+from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, Source, f32, hc_head, linear
 from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
@@ -102,14 +102,16 @@ class DeepseekV4(nn.Module):
         self.rope_main = RopeTable(rd, cfg.rope_theta, None).to(device)
         self.rope_compress = RopeTable(rd, cfg.compress_rope_theta, cfg.yarn).to(device)
 
-    def fuse_projections(self) -> "DeepseekV4":
+    def fuse_projections(self, copy: bool = True, source: Source | None = None) -> "DeepseekV4":
         """For inference: every group of linears that reads one input runs as one matmul
         (attention's projections of x, each expert's w1/w3). Parameters become views of
         the fused weights, so memory does not grow and `state_dict()` is unchanged.
-        Call it once the model is on its device (`load_model` does)."""
-        for mod in self.modules():
+        Call it once the model is on its device (`load_model` does, with `copy` False:
+        storage fresh from `to_empty` holds no values worth copying, and a `source`: the
+        checkpoint's mapped pages where a group lies in them back to back, `layers.Source`)."""
+        for name, mod in self.named_modules():
             if isinstance(mod, (Attention, MoE)):  # MoE: its experts, stacked
-                mod.fuse()
+                mod.fuse(copy=copy, source=source, prefix=f"{name}." if name else "")
         return self
 
     def quantize_draft_head(self, rows: int = 1024) -> int:

@@ -17,7 +17,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import int8pack, kernels, mxfp4, parallel
-from .layers import FusedLinear, Linear, cast, constant, f32, linear, project, stack_views
+from .layers import (FusedLinear, Linear, Source, cast, constant, f32, linear, project, sourced, sourced_rows,
+                     stack_views)
 
 
 class Expert(nn.Module):
@@ -29,9 +30,12 @@ class Expert(nn.Module):
         self.limit = limit
         self.fused: FusedLinear | None = None
 
-    def fuse(self, into: dict[str, torch.Tensor] | None = None) -> None:
-        """Inference: w1 and w3 as one matmul (see `FusedLinear`), in `into` when given."""
-        self.fused = FusedLinear([self.w1, self.w3], into)
+    def fuse(self, into: dict[str, torch.Tensor] | None = None, copy: bool = True, source: Source | None = None,
+             prefix: str = "") -> None:
+        """Inference: w1 and w3 as one matmul (see `FusedLinear`), in `into` when given, else
+        where `source` has it (this module being named `prefix`)."""
+        mods = [self.w1, self.w3]
+        self.fused = FusedLinear(mods, sourced_rows(source, self, prefix, mods) if into is None else into, copy)
 
     def pack_int8(self, min_bytes: int) -> int:
         """`int8pack.pack_model`: the fused w1/w3 packed (a routed expert's was packed by its
@@ -87,26 +91,36 @@ class MoE(nn.Module):
         self.mxfp4: bool | None = None  # routed experts kept MXFP4 (`mxfp4.to_mxfp4`): their own path
         self.packed = False  # pack_int8(): stacked["w13"] / ["w2"] are lists of prepacked weights per expert
 
-    def fuse(self) -> None:
+    def fuse(self, copy: bool = True, source: Source | None = None, prefix: str = "") -> None:
         """Inference: each expert's w1/w3 as one matmul, and the local experts' weights stacked
         (w13 [E, 2I, D], w2 [E, D, I], and their row scales when int8) with every expert's
-        tensors views of them, for the traced decode MoE (`gathered`): no memory grows."""
+        tensors views of them, for the traced decode MoE (`gathered`): no memory grows.
+        `copy` False: the weights hold nothing yet (the loader's), so no values are copied."""
         if self.shared_experts is not None:
-            self.shared_experts.fuse()
+            self.shared_experts.fuse(copy=copy, source=source, prefix=f"{prefix}shared_experts.")
         local = [self.experts[e] for e in self.local]
         if not local or mxfp4.is_mxfp4(local[0]):  # MXFP4 experts are used as stored (mapped): no stacking
             return
         w1 = local[0].w1
         (I, D), quant = w1.weight.shape, w1.scale is not None
-        dev = w1.weight.device
-        st = {"w13": torch.empty(len(local), 2 * I, D, dtype=w1.weight.dtype, device=dev)}
+        dev, E = w1.weight.device, len(local)
+        # storage order: w1 then w3 of each expert (w13), then each expert's w2; scales alike
+        w13 = [m for ex in local for m in (ex.w1, ex.w3)]
+        w2s = [ex.w2 for ex in local]
+        got = lambda mods, a, shape: sourced(source, self, prefix, mods, a, shape)  # noqa: E731
+        st = {"w13": got(w13, "weight", (E, 2 * I, D))}
+        if st["w13"] is None:
+            st["w13"] = torch.empty(E, 2 * I, D, dtype=w1.weight.dtype, device=dev)
         if quant:
-            st["s13"] = torch.empty(len(local), 2 * I, dtype=w1.scale.dtype, device=dev)
+            st["s13"] = got(w13, "scale", (E, 2 * I))
+            if st["s13"] is None:
+                st["s13"] = torch.empty(E, 2 * I, dtype=w1.scale.dtype, device=dev)
         for i, ex in enumerate(local):
-            ex.fuse({"weight": st["w13"][i], **({"scale": st["s13"][i]} if quant else {})})
-        st["w2"] = stack_views([ex.w2 for ex in local], "weight")
+            ex.fuse({"weight": st["w13"][i], **({"scale": st["s13"][i]} if quant else {})}, copy)
+        w2 = w2s[0].weight
+        st["w2"] = stack_views(w2s, "weight", copy, got(w2s, "weight", (E, *w2.shape)))
         if quant:
-            st["s2"] = stack_views([ex.w2 for ex in local], "scale")
+            st["s2"] = stack_views(w2s, "scale", copy, got(w2s, "scale", (E, *w2s[0].scale.shape)))
         self.stacked = st
 
     def pack_int8(self, min_bytes: int) -> int:

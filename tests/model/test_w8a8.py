@@ -183,6 +183,36 @@ def test_convert_then_load_is_bit_identical_to_converting_at_load(tmp_path):
         convert_checkpoint(src, dst)
 
 
+def _in_file_mappings(t: torch.Tensor) -> bool:
+    spans = [tuple(int(x, 16) for x in ln.split()[0].split("-"))
+             for ln in open("/proc/self/maps").read().splitlines() if ".safetensors" in ln]
+    return any(a <= t.data_ptr() < b for a, b in spans)
+
+
+def test_a_converted_checkpoint_loads_as_the_files_pages(tmp_path):
+    """`dsv4 convert` lays every fused group (attention's projections of x, each MoE's stacked
+    w1|w3 and w2, the row scales) back to back in one shard, so the loader maps every tensor
+    (fused ones included) instead of copying it: each lies in a mapping of a shard, equals
+    the file's tensor as safetensors reads it, and the model computes what converting at load
+    does. The files stay valid safetensors (every tensor read back by the library)."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    write_tiny_checkpoint(src, quantize=True)
+    convert_checkpoint(src, dst, shard_bytes=200_000)
+    stored = {}
+    for f in sorted(dst.glob("*.safetensors")):
+        stored.update(load_file(f))
+    m = load_model(dst)
+    sd = m.state_dict()
+    assert set(sd) == set(stored)
+    for k, v in sd.items():
+        assert _in_file_mappings(v), k
+        assert torch.equal(v, stored[k]), k
+    moe = m.layers[0].ffn
+    assert _in_file_mappings(moe.stacked["w13"]) and moe.stacked["w13"].data_ptr() == moe.experts[0].w1.weight.data_ptr()
+    assert m.layers[0].attn.fused.current(m.layers[0].attn._x_linears())
+    assert torch.equal(_logits(m), _logits(load_model(src, quantization="w8a8")))
+
+
 def _tamper(dst, fn):
     f = next(p for p in sorted(dst.glob("*.safetensors")) if "layers.1.attn.wq_b.weight" in load_file(p))
     sd = load_file(f)

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-import dsv4
 from dsv4.private_paths import PathError, check_private_dir, check_trusted_chain
 from dsv4.safetensors_header import read_header
 
@@ -52,6 +51,16 @@ def cache_dir() -> Path | None:
     return d
 
 
+def _version() -> str:
+    """dsv4's installed version (read without importing the package's top, which imports the engine)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dsv4")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -67,7 +76,7 @@ def key(config: Any, params: Any) -> str:
     """The cache key of a calibration under `config` (an EngineConfig) with default sampling `params`."""
     model = Path(config.model)
     parts: dict[str, Any] = {
-        "dsv4": dsv4.__version__, "torch": torch.__version__, "cpu": _cpu_name(),
+        "dsv4": _version(), "torch": torch.__version__, "cpu": _cpu_name(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "env": {k: os.environ.get(k) for k in KERNEL_ENV},
