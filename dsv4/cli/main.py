@@ -217,7 +217,8 @@ def convert(
     quantization: Annotated[str, typer.Option("--quantization", metavar="FORMAT",
                                               help="Format to write: w8a8 (int8 weights per row).")] = "w8a8",
     shard_size: Annotated[float, typer.Option("--shard-size", metavar="GB", min=0.0001,
-                                              help="Largest shard file, in GB.")] = 4.0,
+                                              help="Shard file size to aim for, in GB (a group the model "
+                                                   "fuses, such as a layer's experts, is never split).")] = 4.0,
     revision: Annotated[Optional[str], typer.Option(
         "--revision", metavar="REV", show_default=False,
         help="With SRC ORG/NAME: the branch, tag or commit of the hub model [default: main]")] = None,
