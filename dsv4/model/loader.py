@@ -231,7 +231,7 @@ def _fused_source(ck: Checkpoint, files: MappedFiles, done: set[str], asked: set
         entries = [ck.entries.get(n) for n in names]
         if any(e is None or ck.plan.get(n) not in ("int8", "plain") for n, e in zip(names, entries)):
             return None
-        if len({e.file for e in entries}) != 1:
+        if len({e.file for e in entries}) != 1 or not _worth_mapping(ck, files, entries[0].file, dtype):
             return None
         flat = files.span(entries[0].file, names, dtype)
         if flat is None or flat.numel() != numel:
@@ -242,28 +242,37 @@ def _fused_source(ck: Checkpoint, files: MappedFiles, done: set[str], asked: set
     return source
 
 
+def _worth_mapping(ck: Checkpoint, files: MappedFiles, file: Path, dtype: torch.dtype) -> bool:
+    """Whether to use tensors of `file` as its pages: every one of a `dsv4 convert` output
+    (its files are the weights), int8 ones, and others only from a file mapped already (a
+    private mapping counts whole against RLIMIT_DATA and holds a descriptor: an official
+    checkpoint's few float tensors that happen to match are not worth mapping a shard for)."""
+    return ck.quantization != "none" or dtype == torch.int8 or files.is_mapped(file)
+
+
 def _map_as_stored(model: DeepseekV4, ck: Checkpoint, files: MappedFiles, skip: set[str]) -> frozenset[str]:
     """Point every other parameter and buffer the checkpoint stores as the model holds it
     (same dtype and shape, used as stored: int8 from `dsv4 convert`, float tensors in the
     model's dtype) at the file's pages instead of copying it; float ones are checked finite.
     Returns the names filled."""
     done = set()
-    for mod_name, mod in model.named_modules():
-        for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]:
-            name = f"{mod_name}.{attr}" if mod_name else attr
-            entry = ck.entries.get(name)
-            if name in skip or entry is None or ck.plan.get(name) not in ("int8", "plain") or t.is_meta:
-                continue
-            view = files.span(entry.file, [name], t.dtype)
-            if view is None or view.numel() != t.numel():
-                continue
-            view = view.view(t.shape)
-            validate_tensor(name, entry.file, view)
-            if isinstance(t, torch.nn.Parameter):
-                t.data = view
-            else:
-                setattr(mod, attr, view)
-            done.add(name)
+    tensors = [(mod, attr, t, f"{mod_name}.{attr}" if mod_name else attr) for mod_name, mod in model.named_modules()
+               for attr, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]]
+    for mod, attr, t, name in sorted(tensors, key=lambda x: x[2].dtype != torch.int8):  # int8 first: they map files
+        entry = ck.entries.get(name)
+        if (name in skip or entry is None or ck.plan.get(name) not in ("int8", "plain") or t.is_meta
+                or not _worth_mapping(ck, files, entry.file, t.dtype)):
+            continue
+        view = files.span(entry.file, [name], t.dtype)
+        if view is None or view.numel() != t.numel():
+            continue
+        view = view.view(t.shape)
+        validate_tensor(name, entry.file, view)
+        if isinstance(t, torch.nn.Parameter):
+            t.data = view
+        else:
+            setattr(mod, attr, view)
+        done.add(name)
     return frozenset(done)
 
 

@@ -4,12 +4,12 @@
     packed = files.tensor(path, "layers.3.ffn.experts.7.w1.weight")   # a uint8 view of the file's pages
 
 A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, data
-offsets) and the data. Each tensor (or run of tensors stored back to back: `span`) is a
-mapping of just the pages that hold it (MAP_PRIVATE, readable and copy-on-write: pages come
-from the page cache and are shared by every process that maps the file, so a restart on a
-warm page cache reads nothing again and ranks on one host hold one copy; a private mapping
-counts against RLIMIT_DATA, so nothing unused is mapped); tensors are `torch.frombuffer`
-views of their mapping, which keeps it alive.
+offsets) and the data. Each file is mapped once (MAP_PRIVATE, readable and copy-on-write:
+pages come from the page cache and are shared by every process that maps the file, so a
+restart on a warm page cache reads nothing again and ranks on one host hold one copy; the
+mapping holds a descriptor, and, being private, counts whole against RLIMIT_DATA: the
+loader maps only files that hold what it uses as stored); tensors, and runs of tensors
+stored back to back (`span`), are `torch.frombuffer` views of it, which keep it alive.
 
 At open every tensor's offsets are checked against the header and the file's size: a
 truncated file is a `CheckpointError` naming it, never a page fault at decode. A file changed
@@ -35,6 +35,7 @@ class MappedFiles:
 
     def __init__(self) -> None:
         self._files: dict[Path, tuple[int, dict]] = {}  # file -> (data start, header), checked
+        self._maps: dict[Path, mmap.mmap] = {}  # file -> its mapping (its tensors keep it alive)
 
     def _open(self, file: Path) -> tuple[int, dict]:
         """`file`'s data start and header, every tensor's offsets checked against its size."""
@@ -57,16 +58,20 @@ class MappedFiles:
         return got
 
     def _window(self, file: Path, start: int, end: int) -> torch.Tensor:
-        """Bytes [start, end) of `file` as a uint8 view of a mapping of just the pages that hold
-        them (a private mapping counts against RLIMIT_DATA: only what is used is mapped)."""
-        page = mmap.ALLOCATIONGRANULARITY
-        lo = start // page * page
-        try:
-            with open(file, "rb") as fh:
-                mm = mmap.mmap(fh.fileno(), end - lo, access=mmap.ACCESS_COPY, offset=lo)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
-        return torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=start - lo)
+        """Bytes [start, end) of `file` as a uint8 view of the file's mapping (made once per
+        file: a mapping holds a descriptor, and a checkpoint has thousands of tensors)."""
+        mm = self._maps.get(file)
+        if mm is None:
+            try:
+                with open(file, "rb") as fh:
+                    mm = self._maps[file] = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"cannot map safetensors file {file}: {e}") from None
+        return torch.frombuffer(mm, dtype=torch.uint8, count=end - start, offset=start)
+
+    def is_mapped(self, file: Path) -> bool:
+        """Whether `file` is mapped already (tensors of it cost no further mapping)."""
+        return Path(file) in self._maps
 
     def tensor(self, file: Path, name: str) -> torch.Tensor:
         """`name` from `file` as a view of the mapped pages, in its stored dtype (E8M0 scales and
@@ -111,5 +116,6 @@ class MappedFiles:
             return None
 
     def close(self) -> None:
-        """Forget the headers read (tensors keep their own mappings alive)."""
+        """Forget the headers and mappings (tensors made from them keep theirs alive)."""
         self._files.clear()
+        self._maps.clear()
