@@ -381,10 +381,12 @@ def _base(key: str, v: Any) -> float:
 
 
 def yarn_inv_freq(dim: int, base: float, yarn: YarnParams | None):
-    """Inverse RoPE frequencies, one per interleaved pair: [dim // 2] float32."""
+    """Inverse RoPE frequencies, one per interleaved pair: [dim // 2] float32, on the CPU
+    whatever the default device (under `torch.device("meta")`, a meta arange would import
+    torch's reference ops: 2 s of a model's start)."""
     import torch
 
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim)
     inv = 1.0 / pos_freqs
     if yarn is None:
         return inv
@@ -396,7 +398,7 @@ def yarn_inv_freq(dim: int, base: float, yarn: YarnParams | None):
     high = min(math.ceil(corr(yarn.beta_slow)), dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     extrap = 1 - ramp
     return 1.0 / (yarn.factor * pos_freqs) * (1 - extrap) + inv * extrap
 
