@@ -91,3 +91,21 @@ def check_trusted_chain(d: Path, *, what: str, hint: str) -> None:
             fd, here = nfd, here / part
     finally:
         os.close(fd)
+
+
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME when it is absolute, else ~/.cache: where dsv4 keeps per-user caches."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+
+
+def ensure_private_cache(d: Path, *, what: str) -> Path:
+    """`d` (a cache directory, `cache_home() / "dsv4" / NAME` or one a variable names) and its
+    parent created 0700 and checked private, and every directory above it trusted
+    (`check_private_dir`, `check_trusted_chain`); raises OSError or PathError."""
+    d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for p in (d.parent, d):
+        check_private_dir(p, create=True, what=what, hint="remove it or set XDG_CACHE_HOME")
+    check_trusted_chain(d, what=what, hint="set XDG_CACHE_HOME to a directory only you control")
+    return d
+

@@ -16,7 +16,7 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,15 +26,14 @@ from dsv4.model.w8a8 import INT8_MODES
 from dsv4.model.loader import load_model
 from dsv4.engine.config import EngineConfig, load_threads
 from dsv4.engine.kvcache import BlockManager
-from dsv4.engine.metrics import EngineMetrics, RequestMetrics
+from dsv4.engine.metrics import EngineMetrics, RequestMetrics, step_profiler
 from dsv4.engine.logprobs import TokenTexts
 from dsv4.engine.parallel.ranks import START_TIMEOUT_S, RankError, Ranks, agree_pool, gather_weight_bytes
-from dsv4.engine.request import Request, RequestError
+from dsv4.engine.request import Request, RequestError, RequestOutput
 from dsv4.engine.runner import Runner
 from dsv4.engine.spec.verify import StepResult
 from dsv4.engine.sampling import SamplingParams
 from dsv4.engine.scheduler import Scheduler
-from dsv4.engine.spec.calibration import calibrate
 from dsv4.engine.spec import cost_cache
 from dsv4.engine.spec.policy import SpecPolicy
 from dsv4.engine.stop import StopChecker
@@ -46,24 +45,6 @@ log = logging.getLogger("dsv4.engine")
 
 
 @dataclass
-class RequestOutput:
-    """New output of one request since the previous one."""
-
-    request_id: str
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    sources: list[str] = field(default_factory=list)  # per token: "draft" or "target"
-    finished: bool = False
-    finish_reason: str | None = None
-    error: str | None = None
-    metrics: dict[str, Any] | None = None
-    # per token, when the request asks (`SamplingParams.logprobs`): {id, token, bytes, logprob, top: [...]}
-    logprobs: list[dict[str, Any]] | None = None
-    # the prompt's, in the request's first output (`prompt_logprobs`; the first token's logprob is None)
-    prompt_logprobs: list[dict[str, Any]] | None = None
-
-
-@dataclass
 class _Track:
     """Engine-side companions of a request: text, stop strings, metrics."""
 
@@ -71,27 +52,6 @@ class _Track:
     detok: IncrementalDetokenizer | None
     stop: StopChecker
     metrics: RequestMetrics
-
-
-def _profiler(config: EngineConfig):
-    """With --profile DIR (or DSV4_PROFILE_DIR): torch profiler traces of engine steps.
-
-    Cycles of 10 recorded steps (after 5 skipped and 1 warm-up), at most 10 trace files,
-    so a long-running daemon does not grow without bound. Runner stages are labelled
-    `dsv4.dispatch` (prefill chunks and verify rows), `dsv4.sample_verify`, `dsv4.mtp`.
-    """
-    if not config.profile_dir:
-        return None
-    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
-
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*Profiler clears events")
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config.device.startswith("cuda") else [])
-    prof = profile(activities=acts, schedule=schedule(wait=5, warmup=1, active=10, repeat=10),
-                   on_trace_ready=tensorboard_trace_handler(config.profile_dir, worker_name="dsv4"))
-    prof.start()
-    return prof
 
 
 class Engine:
@@ -145,7 +105,7 @@ class Engine:
             self.ranks.close()
             raise err from None
         self.metrics = EngineMetrics()
-        self.profiler = _profiler(config)
+        self.profiler = step_profiler(config)
         self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
         self._builder_poll = 0.0
         self.started = time.time()
@@ -182,18 +142,9 @@ class Engine:
             if self.ranks is not None:
                 parallel.meet(START_TIMEOUT_S)  # with the followers' (ranks.py), after every rank's compile
         self.calibration_s, self.calibration_note = 0.0, ""
-        if self.policy is not None:  # timed, or loaded from the calibration cache (spec/cost_cache.py)
-            t = time.perf_counter()
-            key = cost_cache.key(config, self.default_params)
-            record = cost_cache.load(self.policy, key)
-            if self.ranks is not None:  # the followers time alongside rank 0, or not at all
-                parallel.broadcast_object(record is not None)
-            if record is None:
-                calibrate(self.runner, self.default_params)
-            self.calibration_s = time.perf_counter() - t
-            if record is None:
-                cost_cache.save(self.policy, key, self.calibration_s)
-            self.calibration_note = cost_cache.note(record, self.calibration_s)
+        if self.policy is not None:  # timed, or loaded from the calibration cache
+            self.calibration_s, self.calibration_note = cost_cache.calibrated(
+                self.runner, config, self.default_params, ranks=self.ranks is not None)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,

@@ -1,4 +1,5 @@
-"""Per-request and engine-wide metrics, with the definitions of docs/serving.md section 4.
+"""Per-request and engine-wide metrics, with the definitions of docs/serving.md section 4, and
+the torch profiler traces of engine steps (`--profile`, `step_profiler`).
 
 * TTFT: arrival to first output token.
 * TPOT: (end-to-end latency - TTFT) / (output tokens - 1).
@@ -227,3 +228,24 @@ class EngineMetrics(_Acceptance):
             "steps": {"count": self.num_steps, "prefill_tokens": self.num_prefill_tokens,
                       "decode_tokens": self.num_decode_tokens},
         }
+
+
+def step_profiler(config: Any) -> Any:
+    """With --profile DIR (or DSV4_PROFILE_DIR): torch profiler traces of engine steps.
+
+    Cycles of 10 recorded steps (after 5 skipped and 1 warm-up), at most 10 trace files,
+    so a long-running daemon does not grow without bound. Runner stages are labelled
+    `dsv4.dispatch` (prefill chunks and verify rows), `dsv4.sample_verify`, `dsv4.mtp`.
+    """
+    if not config.profile_dir:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Profiler clears events")
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if config.device.startswith("cuda") else [])
+    prof = profile(activities=acts, schedule=schedule(wait=5, warmup=1, active=10, repeat=10),
+                   on_trace_ready=tensorboard_trace_handler(config.profile_dir, worker_name="dsv4"))
+    prof.start()
+    return prof

@@ -9,7 +9,7 @@ its slot, the index 0..max_num_seqs-1 of its row in the model's preallocated sta
 Position invariant: while prefilling, `num_computed_tokens` is the start of the next
 chunk. While decoding, `num_computed_tokens == num_tokens - 1`: the last output token
 is not in the state yet, and it is the first row (at position `num_computed_tokens`) of
-the next decode step.
+the next decode step. `RequestOutput` is what a step gives back of one request.
 """
 
 from __future__ import annotations
@@ -106,3 +106,21 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
                 f"computed={self.num_computed_tokens}, out={len(self.output_ids)}, slot={self.slot})")
+
+
+@dataclass
+class RequestOutput:
+    """New output of one request since the previous one."""
+
+    request_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # per token: "draft" or "target"
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict[str, Any] | None = None
+    # per token, when the request asks (`SamplingParams.logprobs`): {id, token, bytes, logprob, top: [...]}
+    logprobs: list[dict[str, Any]] | None = None
+    # the prompt's, in the request's first output (`prompt_logprobs`; the first token's logprob is None)
+    prompt_logprobs: list[dict[str, Any]] | None = None

@@ -21,8 +21,9 @@ from torch import nn
 from ..config import CSA, WINDOW, ModelConfig
 from . import int8pack, parallel
 from .compressor import Compressor, Indexer
-from .layers import (FusedLinear, Linear, RMSNorm, RopeTable, Source, apply_rope, cast, constant, f32,
-                     inverse_rotation, project, rms_unweighted, rot_rows, sourced_rows)
+from .fusion import FusedLinear, Source, project, sourced_rows
+from .layers import (Linear, RMSNorm, RopeTable, apply_rope, cast, constant, f32, inverse_rotation, rms_unweighted,
+                     rot_rows)
 from .state import Batch, LayerState, flat_rows
 
 

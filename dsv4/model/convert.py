@@ -102,6 +102,7 @@ def _work_dir(dst: Path) -> Path:
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.int64: "I64", torch.float32: "F32", torch.int32: "I32",
                       torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL"}
+_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def fused_groups(model: DeepseekV4) -> list[list[str]]:
@@ -130,8 +131,6 @@ def _outputs(ck: Checkpoint, model: DeepseekV4, quantized: set[str]) -> dict[str
             out[name] = (_TORCH_DTYPES[ck.entries[name].dtype], tuple(ck.entries[name].shape))
     return out
 
-
-_TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def _layout(outputs: dict[str, tuple[torch.dtype, tuple]], groups: list[list[str]], shard_bytes: int

@@ -157,7 +157,7 @@ def meta_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def pack_fused(fused, linears: list[nn.Module], min_bytes: int, packed: torch.Tensor | None = None) -> int:
-    """A `layers.FusedLinear` of int8 `linears` on the CPU: hold its fused weight prepacked
+    """A `fusion.FusedLinear` of int8 `linears` on the CPU: hold its fused weight prepacked
     (`packed`: already packed by the owner of the storage, the MoE's stacked experts) and make
     the linears' plain weights meta. Returns the bytes packed here."""
     w = fused.weight

@@ -23,7 +23,7 @@ from ..config import ModelConfig
 from . import int8pack, kernels, parallel, sharding
 from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
-from .layers import Source
+from .fusion import Source
 from .model import DeepseekV4
 from .mapped import MappedFiles
 from .mxfp4 import FP4Linear, to_mxfp4

@@ -57,7 +57,7 @@ class MappedFiles:
         self._files[file] = got = (data, header)
         return got
 
-    def _window(self, file: Path, start: int, end: int) -> torch.Tensor:
+    def _bytes(self, file: Path, start: int, end: int) -> torch.Tensor:
         """Bytes [start, end) of `file` as a uint8 view of the file's mapping (made once per
         file: a mapping holds a descriptor, and a checkpoint has thousands of tensors)."""
         mm = self._maps.get(file)
@@ -89,7 +89,7 @@ class MappedFiles:
         count = end - start
         if count == 0:
             return torch.empty(shape, dtype=dtype)
-        raw = self._window(file, data + start, data + end)
+        raw = self._bytes(file, data + start, data + end)
         if dtype is not torch.uint8:
             raw = raw.view(dtype)
         if raw.numel() != (n := int(torch.tensor(shape).prod().item()) if shape else 1):
@@ -111,7 +111,7 @@ class MappedFiles:
         if end == start:
             return None
         try:
-            return self._window(file, data + start, data + end).view(dtype)
+            return self._bytes(file, data + start, data + end).view(dtype)
         except RuntimeError:  # not aligned for dtype's elements
             return None
 

@@ -21,7 +21,8 @@ from torch import nn
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
 from . import int8pack, kernels, parallel
-from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, Source, f32, hc_head, linear
+from .fusion import Source
+from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
 from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
@@ -108,7 +109,7 @@ class DeepseekV4(nn.Module):
         the fused weights, so memory does not grow and `state_dict()` is unchanged.
         Call it once the model is on its device (`load_model` does, with `copy` False:
         storage fresh from `to_empty` holds no values worth copying, and a `source`: the
-        checkpoint's mapped pages where a group lies in them back to back, `layers.Source`)."""
+        checkpoint's mapped pages where a group lies in them back to back, `fusion.Source`)."""
         for name, mod in self.named_modules():
             if isinstance(mod, (Attention, MoE)):  # MoE: its experts, stacked
                 mod.fuse(copy=copy, source=source, prefix=f"{name}." if name else "")

@@ -17,8 +17,8 @@ from torch import nn
 
 from ..config import ModelConfig
 from . import int8pack, kernels, mxfp4, parallel
-from .layers import (FusedLinear, Linear, Source, cast, constant, f32, linear, project, sourced, sourced_rows,
-                     stack_views)
+from .fusion import FusedLinear, Source, project, sourced, sourced_rows, stack_views
+from .layers import Linear, cast, constant, f32, linear
 
 
 class Expert(nn.Module):

@@ -23,7 +23,7 @@ from typing import Iterator
 
 import torch
 
-from dsv4.private_paths import PathError, check_private_dir, check_trusted_chain
+from dsv4.private_paths import PathError, cache_home, check_private_dir, check_trusted_chain, ensure_private_cache
 
 # Inductor on the CPU (measured on the embedded model, BENCHMARKS.md "--compile"):
 # - cpp_wrapper: the compiled step calls its kernels from C++, not from a generated Python
@@ -80,14 +80,10 @@ def private_cache_dir() -> Path:
     """Point inductor's (and triton's) cache at a private per-user directory, created 0700;
     raise `CompileUnavailable` if it exists but is a symlink, not ours or not private
     (the checks of the daemon's socket directory, `dsv4.private_paths.check_private_dir`)."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
+    root = cache_home()
     d = root / "dsv4" / "inductor"
     try:
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for p in (d.parent, d):
-            check_private_dir(p, create=True, what="compile cache", hint="remove it or set XDG_CACHE_HOME")
-        check_trusted_chain(d, what="compile cache", hint="set XDG_CACHE_HOME to a directory only you control")
+        ensure_private_cache(d, what="compile cache")
     except OSError as e:
         raise CompileUnavailable(f"cannot create the compile cache {root}: {e.strerror}") from None
     except PathError as e:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dsv4.private_paths import PathError, check_private_dir, check_trusted_chain
+from dsv4.private_paths import PathError, cache_home, ensure_private_cache
 from dsv4.safetensors_header import read_header
 
 TABLES = ("verify", "verify_host", "draft", "draft_host")  # the SpecPolicy cost tables calibration fills
@@ -38,17 +38,11 @@ def cache_dir() -> Path | None:
     """$DSV4_CALIBRATION_DIR, else $XDG_CACHE_HOME/dsv4/calibration (else ~/.cache/...),
     created 0700; None where it is not private (then every start times its costs)."""
     own = os.environ.get("DSV4_CALIBRATION_DIR", "")
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
-    d = Path(own) if own and os.path.isabs(own) else root / "dsv4" / "calibration"
+    d = Path(own) if own and os.path.isabs(own) else cache_home() / "dsv4" / "calibration"
     try:
-        d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for p in (d,) if own else (d.parent, d):
-            check_private_dir(p, create=True, what="calibration cache", hint="remove it or set XDG_CACHE_HOME")
-        check_trusted_chain(d, what="calibration cache", hint="set XDG_CACHE_HOME to a directory only you control")
+        return ensure_private_cache(d, what="calibration cache")
     except (OSError, PathError):
         return None
-    return d
 
 
 def _version() -> str:
@@ -121,6 +115,27 @@ def save(policy: Any, k: str, timed_s: float) -> None:
         os.replace(tmp, d / f"{k}.json")
     except OSError:
         pass
+
+
+def calibrated(runner: Any, config: Any, params: Any, ranks: bool = False) -> tuple[float, str]:
+    """Fill `runner.policy`'s tables: loaded from the cache, else timed (`calibration.calibrate`)
+    and kept. `ranks`: rank 0 of a group, whose other ranks time alongside it or not at all
+    (told here; they call `calibrate` when `parallel.broadcast_object(None)` is False).
+    Returns (seconds spent, the banner's line)."""
+    from dsv4.engine.spec.calibration import calibrate
+    from dsv4.model import parallel
+
+    t = time.perf_counter()
+    k = key(config, params)
+    record = load(runner.policy, k)
+    if ranks:
+        parallel.broadcast_object(record is not None)
+    if record is None:
+        calibrate(runner, params)
+    seconds = time.perf_counter() - t
+    if record is None:
+        save(runner.policy, k, seconds)
+    return seconds, note(record, seconds)
 
 
 def note(record: dict[str, Any] | None, seconds: float) -> str:
