@@ -69,7 +69,6 @@ class ShmChannel:
         self.data_at = 8 * self.world  # acks: one int64 per rank (rank 0's unused), then the data
         self.seq = 0
         self.check: Callable[[], None] | None = None  # rank 0: raises when a rank died (`Ranks.check`)
-        self.wait_s = collective_timeout_s()  # rank 0's longest wait for the others' acknowledgement
         self.device = _header_device()
         path = None
         try:
@@ -139,7 +138,7 @@ class ShmChannel:
         collectives come between two messages); `check` every 0.1 s meanwhile, so a rank
         that died while the others waited fails the step within moments."""
         deadline = checked = None
-        spins, wait_s = 0, self.wait_s
+        spins, wait_s = 0, collective_timeout_s()
         while min(struct.unpack_from(f"<{self.world - 1}q", self.buf, 8)) < seq:
             spins += 1
             if spins <= 100:
