@@ -95,8 +95,17 @@ class Engine:
             raise
         finally:
             torch.set_num_threads(config.threads)
+        self.metrics = EngineMetrics()
+        self.profiler = step_profiler(config)
+        self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
+        self._builder_poll = 0.0
+        self._tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
         try:
             self._start(config, progress)
+            if self.ranks is not None:  # started: an idle engine's ranks hear from it within the timeout
+                self.ranks.start_keepalive()  # (the other ranks meet it there first)
         except Exception as e:
             if self.ranks is None:
                 raise
@@ -104,21 +113,7 @@ class Engine:
             err = self.ranks.failure(e, "start") if broken else e
             self.ranks.close()
             raise err from None
-        self.metrics = EngineMetrics()
-        self.profiler = step_profiler(config)
-        self._builder: Any = None  # the background build of missing compiled buckets (serve), a process
-        self._builder_poll = 0.0
         self.started = time.time()
-        self._tracks: dict[str, _Track] = {}
-        self._ids = itertools.count()
-        self.token_texts = TokenTexts(self.tokenizer)  # names the tokens of logprobs
-        tok = self.tokenizer  # structured outputs: llguidance over this vocabulary, built at the first use
-        self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
-                                 think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
-                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
-                                 budget_s=config.grammar_compile_timeout)
-        if self.ranks is not None:  # started: an idle engine's ranks hear from it within the timeout
-            self.ranks.start_keepalive()
 
     def _start(self, config: EngineConfig, progress: Any) -> None:
         """Everything after loading that the ranks do together: their weight bytes, the state
@@ -145,6 +140,11 @@ class Engine:
         if self.policy is not None:  # timed, or loaded from the calibration cache
             self.calibration_s, self.calibration_note = cost_cache.calibrated(
                 self.runner, config, self.default_params, ranks=self.ranks is not None)
+        tok = self.tokenizer  # structured outputs: llguidance over this vocabulary, built at the first use
+        self.grammars = Grammars(tok, config.model_config.vocab_size, self.scheduler.eos_token_id,  # what ends it
+                                 think_start=tok.token_to_id(THINK_START_TOKEN) if tok is not None else None,
+                                 think_end=tok.token_to_id(THINK_END_TOKEN) if tok is not None else None,
+                                 budget_s=config.grammar_compile_timeout)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None, *,

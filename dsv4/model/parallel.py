@@ -112,14 +112,22 @@ def close() -> None:
 def meet(timeout_s: float) -> None:
     """Wait until every rank reaches this point, for up to `timeout_s` (rather than the
     group's collective timeout): the start's phases (loading a shard, building compiled
-    steps) may take the ranks minutes apart. gloo's `monitored_barrier` takes the timeout;
-    other backends wait as long as their group timeout."""
+    steps) may take the ranks minutes apart. On gloo every rank sends rank 0 a word and
+    waits for its answer, each wait bounded by `timeout_s` (`monitored_barrier` bounds only
+    rank 0's: its other ranks' sends fail after the group's timeout when rank 0 is late).
+    Other backends wait as long as their group timeout (`dist.barrier`)."""
     if _GROUP is None:
         return
-    if dist.get_backend() == "gloo":
-        dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
-    else:
+    if dist.get_backend() != "gloo":
         dist.barrier()
+        return
+    limit, word = datetime.timedelta(seconds=timeout_s), torch.zeros(1)
+    peers = range(1, world_size()) if rank() == 0 else [0]
+    # rank 0 hears every other rank, then answers them all; the others speak, then listen
+    for op in (dist.irecv, dist.isend) if rank() == 0 else (dist.isend, dist.irecv):
+        works = [op(word.clone(), p) for p in peers]
+        for w in works:
+            w.wait(limit)
 
 
 def world_size() -> int:

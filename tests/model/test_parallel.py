@@ -57,11 +57,13 @@ def run_model(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rank_entry(rank: int, world: int, port: int, out: str, work: Callable[..., Any], args: tuple) -> None:
-    """One spawned rank: join the gloo group, save `work(rank, world, *args)` to out.<rank>."""
+def _rank_entry(rank: int, world: int, port: int, out: str, work: Callable[..., Any], args: tuple,
+                timeout_s: float = 120) -> None:
+    """One spawned rank: join the gloo group (collective timeout `timeout_s`), save
+    `work(rank, world, *args)` to out.<rank>."""
     try:
         torch.set_num_threads(1)
-        parallel.init(rank, world, "127.0.0.1", port, timeout_s=120)
+        parallel.init(rank, world, "127.0.0.1", port, timeout_s=timeout_s)
         torch.save(work(rank, world, *args), f"{out}.{rank}")
         torch.distributed.barrier()  # rank 0 serves the store: it leaves the group last
         parallel.close()
@@ -70,12 +72,14 @@ def _rank_entry(rank: int, world: int, port: int, out: str, work: Callable[..., 
         raise SystemExit(1)
 
 
-def spawn_ranks(work: Callable[..., Any], args: tuple, tmp: Path, world: int = WORLD) -> tuple[list[Any], list[int]]:
+def spawn_ranks(work: Callable[..., Any], args: tuple, tmp: Path, world: int = WORLD,
+                timeout_s: float = 120) -> tuple[list[Any], list[int]]:
     """Run `work(rank, world, *args)` (a module-level function) on `world` spawned ranks of one
-    gloo group; (every rank's result, the ranks' pids). Every rank must exit 0."""
+    gloo group (collective timeout `timeout_s`); (every rank's result, the ranks' pids).
+    Every rank must exit 0."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, str(tmp / "out"), work, args))
+    procs = [ctx.Process(target=_rank_entry, args=(r, world, port, str(tmp / "out"), work, args, timeout_s))
              for r in range(world)]
     for p in procs:
         p.start()

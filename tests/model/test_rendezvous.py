@@ -2,6 +2,7 @@
 on the master address only (127.0.0.1, not every interface) through the very socket that
 chose the port (its descriptor handed over: no close-and-rebind window for an impostor);
 once every rank has joined (gloo) it no longer listens at all. A master address that is not this host's is one line naming the flags.
+The start's meeting points (`parallel.meet`) wait past the group's collective timeout, on every rank.
 Traffic stays on loopback; 192.0.2.1 (TEST-NET-1) is only bound to, which fails locally."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch.distributed as dist
 
 from dsv4.model import parallel
-from tests.model.test_parallel import _rank_entry
+from tests.model.test_parallel import _rank_entry, spawn_ranks
 
 
 def _decode(hex_addr: str) -> tuple[str, int]:
@@ -99,3 +100,21 @@ def test_master_address_not_on_this_host_is_one_line(tiny_checkpoint: Path) -> N
     with pytest.raises(RankError, match=r"^--master-addr 192\.0\.2\.1 --master-port 29555: rank 0 cannot listen "
                                         r"for the other ranks at 192\.0\.2\.1:29555 \(.+\)$"):
         Ranks(config)
+
+
+def _late_meet(rank: int, world: int, late_rank: int, late_s: float) -> list[float]:
+    """Rank `late_rank` reaches the meeting point `late_s` after the others; this rank's wait there."""
+    if rank == late_rank:
+        time.sleep(late_s)
+    t = time.monotonic()
+    parallel.meet(60.0)
+    return [time.monotonic() - t]
+
+
+@pytest.mark.parametrize("late_rank", [0, 2])
+def test_a_meeting_waits_past_the_collective_timeout_on_every_rank(tmp_path: Path, late_rank: int) -> None:
+    """One of 3 ranks finishes loading 4 s after the others, in a group whose collectives time
+    out after 1 s: every rank gets through (gloo's monitored_barrier failed the early non-zero
+    ranks: their sends to a late rank 0 are bounded by the group's timeout)."""
+    waits, _ = spawn_ranks(_late_meet, (late_rank, 4.0), tmp_path, world=3, timeout_s=1)  # every rank exits 0
+    assert min(w[0] for r, w in enumerate(waits) if r != late_rank) > 2.0, waits  # they did wait for it

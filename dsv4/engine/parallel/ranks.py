@@ -114,8 +114,11 @@ def _follow_rank(rank: int, config: Any, dev: str) -> None:
 
         start_compiled(runner, config)
         parallel.meet(START_TIMEOUT_S)  # with rank 0's, after its compile
-    if policy is not None and not parallel.broadcast_object(None):  # rank 0 found no calibration cached
-        calibrate(runner)  # the dispatches only: rank 0 samples
+    if policy is not None:
+        parallel.meet(START_TIMEOUT_S)  # rank 0 looks its calibration up first (cost_cache.calibrated)
+        if not parallel.broadcast_object(None):  # rank 0 found none cached
+            calibrate(runner)  # the dispatches only: rank 0 samples
+    parallel.meet(START_TIMEOUT_S)  # with rank 0's start_keepalive, once its engine is built
     plan.follow(runner)
 
 
@@ -211,13 +214,15 @@ class Ranks:
             plan.channel().check = self.check
 
     def start_keepalive(self) -> None:
-        """Rank 0, once started: while no step goes out for a quarter of the collective
+        """Rank 0, once started (met by the other ranks, who then wait for plans): while no step goes out for a quarter of the collective
         timeout, send the other ranks a keepalive, so an idle engine's ranks never time out
         waiting for its next plan (a frozen rank 0 still fails them within the timeout).
         Steps hold `lock`; a keepalive that fails is raised by the next `check`."""
         if self.first != 0 or self._keepalive is not None:
             return
         from dsv4.engine.parallel.transport import collective_timeout_s
+
+        parallel.meet(START_TIMEOUT_S)  # the others wait for the end of rank 0's start here, then for plans
 
         every = collective_timeout_s() / 4
         self._keepalive = threading.Thread(target=self._keep_alive, args=(every,), name="dsv4-keepalive",

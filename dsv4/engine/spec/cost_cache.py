@@ -129,6 +129,9 @@ def calibrated(runner: Any, config: Any, params: Any, ranks: bool = False) -> tu
     k = key(config, params)
     record = load(runner.policy, k)
     if ranks:
+        from dsv4.engine.parallel.ranks import START_TIMEOUT_S
+
+        parallel.meet(START_TIMEOUT_S)  # the others wait here however long the lookup took
         parallel.broadcast_object(record is not None)
     if record is None:
         calibrate(runner, params)
