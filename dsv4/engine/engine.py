@@ -25,11 +25,12 @@ from dsv4.model import fp4_kernel, int8pack, parallel
 from dsv4.model.w8a8 import INT8_MODES
 from dsv4.model.loader import load_model
 from dsv4.engine.config import EngineConfig, load_threads
+from dsv4.engine.front import RequestFront
 from dsv4.engine.kvcache import BlockManager
 from dsv4.engine.metrics import EngineMetrics, RequestMetrics, step_profiler
 from dsv4.engine.logprobs import TokenTexts
 from dsv4.engine.parallel.ranks import START_TIMEOUT_S, RankError, Ranks, agree_pool, gather_weight_bytes
-from dsv4.engine.request import Request, RequestError, RequestOutput
+from dsv4.engine.request import Request, RequestOutput
 from dsv4.engine.runner import Runner
 from dsv4.engine.spec.verify import StepResult
 from dsv4.engine.sampling import SamplingParams
@@ -38,8 +39,7 @@ from dsv4.engine.spec import cost_cache
 from dsv4.engine.spec.policy import SpecPolicy
 from dsv4.engine.stop import StopChecker
 from dsv4.engine.grammar.masks import Grammars
-from dsv4.engine.tokenizer import THINK_END_TOKEN, THINK_START_TOKEN, IncrementalDetokenizer, Tokenizer, TokenizerError, \
-    TokenizerMissing
+from dsv4.engine.tokenizer import THINK_END_TOKEN, THINK_START_TOKEN, IncrementalDetokenizer
 
 log = logging.getLogger("dsv4.engine")
 
@@ -54,26 +54,14 @@ class _Track:
     metrics: RequestMetrics
 
 
-class Engine:
+class Engine(RequestFront):
     """DeepSeek V4 with chunked prefill and MTP speculative decoding, for many requests."""
 
     def __init__(self, config: EngineConfig, *, progress: Callable[[int, int], None] | None = None):
-        self.config = config
+        self._init_front(config)  # default sampling, tokenizer, text limit (front.py)
         self.device = torch.device(config.device)
-        try:  # the model's defaults must be valid before any weight loads
-            self.default_params = SamplingParams.from_dict(dict(config.sampling_defaults))
-        except RequestError as e:
-            raise RequestError(f"--model {config.model}: generation_config.json: {e}") from None
         torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
-        try:
-            self.tokenizer: Tokenizer | None = Tokenizer.from_dir(config.model)
-        except TokenizerMissing:
-            self.tokenizer = None  # token-id prompts only (a corrupt tokenizer.json is an error)
-        # A text longer than this many UTF-8 bytes cannot fit in max_model_len tokens:
-        # refused before tokenizing (every token covers at most the longest vocabulary entry).
-        self.max_text_bytes = (config.max_model_len * self.tokenizer.max_token_bytes
-                               if self.tokenizer is not None else 0)
         T = config.tensor_parallel_size
         if config.node_rank > 0:
             raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
@@ -159,16 +147,7 @@ class Engine:
         `follows`: a live request with the same prompt (a sibling sample): this one starts once
         that one's prompt is prefilled, so the prefix cache gives it the whole blocks."""
         params = params or dataclasses.replace(self.default_params)
-        if params.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a tokenizer; this model has no tokenizer.json "
-                               "(use stop_token_ids)")
-        if isinstance(prompt, str):
-            ids = self.encode_request(prompt, prompt_mode=prompt_mode, system=system, thinking=thinking,
-                                      tools=tools)
-        elif tools:
-            raise RequestError("tools are rendered into a text prompt; pass the prompt as text")
-        else:
-            ids = prompt
+        ids = self.prompt_ids(prompt, params, prompt_mode=prompt_mode, system=system, thinking=thinking, tools=tools)
         rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
         req = Request(rid, ids, params, client=client)
         leader = self._tracks.get(str(follows)) if follows is not None else None
@@ -185,48 +164,11 @@ class Engine:
                                    RequestMetrics(arrival=req.arrival_time, prompt_tokens=len(ids)))
         return rid
 
-    @property
-    def max_model_len(self) -> int:
-        """The longest request (prompt + output), in tokens."""
-        return self.config.max_model_len
-
-    def make_params(self, fields: dict[str, Any]) -> SamplingParams:
-        """SamplingParams from a request's fields over the model's generation_config.json
-        defaults (fields given win; `temperature: 0` stays greedy); raises `RequestError`."""
-        if not isinstance(fields, dict):
-            raise RequestError(f"sampling parameters must be a map, got {type(fields).__name__}")
-        return SamplingParams.from_dict({**self.config.sampling_defaults, **fields})
-
-    def check_text_size(self, prompt: str, system: str | None = None) -> None:
-        """Refuse an empty prompt, or text too long for --max-model-len, before tokenizing (RequestError)."""
-        if self.tokenizer is None:
-            raise RequestError("this model has no tokenizer.json; send token ids instead of text")
-        if not prompt:
-            raise RequestError("the prompt is empty; send at least one character")
-        n = len(prompt.encode("utf-8", "surrogatepass")) + len((system or "").encode("utf-8", "surrogatepass"))
-        if n > self.max_text_bytes:
-            what = "prompt and system prompt" if system else "prompt"
-            raise RequestError(f"{what} of {n} bytes {'exceed' if system else 'exceeds'} the limit of "
-                               f"{self.max_text_bytes} bytes for --max-model-len {self.config.max_model_len} "
-                               f"({self.tokenizer.max_token_bytes} bytes per token at most); send a shorter prompt")
-
     def submit_grammar(self, spec: dict[str, Any]) -> Future:
         """A Future of a structured-output spec's compiled grammar, for `add_request(grammar=)`:
         compiled in a worker process within --grammar-compile-timeout (`Grammars.submit`), so
         the caller's thread (the daemon's loop) never waits; cancelling it drops the compile."""
         return self.grammars.submit(spec)
-
-    def encode_request(self, prompt: str, *, prompt_mode: str = "auto", system: str | None = None,
-                       thinking: bool = False, tools: list[Any] | None = None) -> list[int]:
-        """Prompt ids of a text request, size-checked first; touches only the tokenizer, so it
-        may run on another thread than `step()` (the daemon tokenizes big prompts there)."""
-        self.check_text_size(prompt, system)
-        assert self.tokenizer is not None
-        try:
-            return self.tokenizer.encode_prompt(prompt, mode=prompt_mode, system=system,  # type: ignore[arg-type]
-                                                thinking=thinking, tools=tools)
-        except TokenizerError as e:
-            raise RequestError(str(e)) from None
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its slot is free at once. False if it is not live."""

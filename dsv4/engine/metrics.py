@@ -138,8 +138,25 @@ class RequestMetrics(_Acceptance):
                 "mean_acceptance_length": self.mean_acceptance_length,
                 "per_position_acceptance": _per_position(self.accepted_per_position, self.drafted_per_position),
                 "accepted_per_position": list(self.accepted_per_position),
+                "drafted_per_position": list(self.drafted_per_position),
             },
         }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], end: float) -> "RequestMetrics":
+        """A finished request's metrics again from its `to_dict` (a replica's final output),
+        finished at `end` (time.monotonic: one clock for every process of the host)."""
+        usage, tim, spec = d.get("usage") or {}, d.get("timings") or {}, d.get("spec") or {}
+        e2e, ttft = tim.get("e2e_s"), tim.get("ttft_s")
+        m = cls(arrival=end - (e2e or 0.0), prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                cached_tokens=int(usage.get("cached_tokens") or 0),
+                completion_tokens=int(usage.get("completion_tokens") or 0), finish_time=end,
+                drafted=int(spec.get("drafted") or 0), accepted=int(spec.get("accepted") or 0),
+                verify_steps=int(spec.get("verify_steps") or 0),
+                drafted_per_position=list(spec.get("drafted_per_position") or []),
+                accepted_per_position=list(spec.get("accepted_per_position") or []))
+        m.first_token_time = m.arrival + ttft if ttft is not None else None
+        return m
 
 
 @dataclass
@@ -190,12 +207,8 @@ class EngineMetrics(_Acceptance):
         self.drafted += m.drafted
         self.accepted += m.accepted
         self.verify_steps += m.verify_steps
-        for mine, theirs in ((self.drafted_per_position, m.drafted_per_position),
-                             (self.accepted_per_position, m.accepted_per_position)):
-            if len(mine) < len(theirs):
-                mine.extend([0] * (len(theirs) - len(mine)))
-            for i, c in enumerate(theirs):
-                mine[i] += c
+        _add_counts(self.drafted_per_position, m.drafted_per_position)
+        _add_counts(self.accepted_per_position, m.accepted_per_position)
         for xs, v in ((self.ttfts, m.ttft), (self.tpots, m.tpot), (self.e2es, m.e2e)):
             if v is not None:
                 xs.append(v)
@@ -228,6 +241,13 @@ class EngineMetrics(_Acceptance):
             "steps": {"count": self.num_steps, "prefill_tokens": self.num_prefill_tokens,
                       "decode_tokens": self.num_decode_tokens},
         }
+
+
+def _add_counts(mine: list[int], theirs: list[int]) -> None:
+    """Add per-position counts `theirs` into `mine` (extended as needed)."""
+    mine.extend([0] * (len(theirs) - len(mine)))
+    for i, c in enumerate(theirs):
+        mine[i] += c
 
 
 def step_profiler(config: Any) -> Any:

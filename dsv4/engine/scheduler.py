@@ -121,27 +121,10 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
         """Queue a request; raises `RequestError` (for this request only) if it cannot run."""
-        if self.vocab_size is not None:  # the params are valid since built; the model's vocabulary is ours
-            request.params.check_vocab(self.vocab_size)
         if request.request_id in self._by_id:
             raise RequestError(f"request id {request.request_id!r} is already in use")
-        ids = request.prompt_ids
-        if not isinstance(ids, list):
-            raise RequestError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")
-        if not ids:
-            raise RequestError("the prompt is empty; send at least one token")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
-            raise RequestError("prompt token ids must be non-negative integers")
-        if self.vocab_size is not None and max(ids) >= self.vocab_size:
-            raise RequestError(f"prompt token id {max(ids)} is outside the vocabulary (size {self.vocab_size})")
-        if len(ids) > self.max_model_len - 1:
-            raise RequestError(f"the prompt has {len(ids)} tokens, but max_model_len {self.max_model_len} allows "
-                               f"at most {self.max_model_len - 1} (one position is kept for output); "
-                               f"shorten the prompt or raise --max-model-len")
-        if self.kv is not None and self.kv.blocks_for(len(ids) + 1) > self.kv.num_blocks:
-            raise RequestError(f"the prompt has {len(ids)} tokens, more than the state pool holds "
-                               f"({self.kv.num_blocks * self.kv.block_size} positions); shorten the prompt "
-                               f"or raise --kv-cache-memory")
+        check_prompt(request.prompt_ids, request.params, self.vocab_size, self.max_model_len,
+                     self.kv.num_blocks * self.kv.block_size if self.kv is not None else None)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = request.num_cached_tokens = request.recomputed = 0
         request.cache_counted, request.block_hashes = False, []
@@ -387,3 +370,26 @@ class Scheduler:
             if req.is_finished:
                 return tokens[: i + 1]
         return tokens
+
+
+def check_prompt(ids: Any, params: Any, vocab_size: int | None, max_model_len: int, positions: int | None) -> None:
+    """Refuse (RequestError) a prompt or parameters no engine of this config can run: ids that
+    are not the vocabulary's, a prompt longer than max_model_len or than the state pool's
+    `positions`, parameters naming tokens outside the vocabulary."""
+    if vocab_size is not None:  # the params are valid since built; the model's vocabulary is ours
+        params.check_vocab(vocab_size)
+    if not isinstance(ids, list):
+        raise RequestError(f"prompt token ids must be a list of integers, got {type(ids).__name__}")
+    if not ids:
+        raise RequestError("the prompt is empty; send at least one token")
+    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids):
+        raise RequestError("prompt token ids must be non-negative integers")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise RequestError(f"prompt token id {max(ids)} is outside the vocabulary (size {vocab_size})")
+    if len(ids) > max_model_len - 1:
+        raise RequestError(f"the prompt has {len(ids)} tokens, but max_model_len {max_model_len} allows "
+                           f"at most {max_model_len - 1} (one position is kept for output); "
+                           f"shorten the prompt or raise --max-model-len")
+    if positions is not None and len(ids) + 1 > positions:
+        raise RequestError(f"the prompt has {len(ids)} tokens, more than the state pool holds "
+                           f"({positions} positions); shorten the prompt or raise --kv-cache-memory")
