@@ -69,7 +69,7 @@ def serve(
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
-    compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
+    data_parallel_size: O.DataParallel = None, compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
     grammar_compile_timeout: O.GrammarTimeout = None, nnodes: O.NNodes = None, node_rank: O.NodeRank = None,
     master_addr: O.MasterAddr = None,
@@ -90,8 +90,9 @@ def serve(
                          seed=seed, profile_dir=profile, threads=threads, quantization=quantization, compile=compile,
                          kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                          draft_vocab=draft_vocab, revision=revision, grammar_compile_timeout=grammar_compile_timeout,
-                         tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, node_rank=node_rank,
-                         master_addr=master_addr, master_port=master_port, rendezvous_timeout=rendezvous_timeout)
+                         tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                         nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
+                         rendezvous_timeout=rendezvous_timeout)
     if detach and O.under_torchrun():
         raise CliError("--detach cannot be used under torchrun (it supervises the ranks); serve in the foreground",
                        O.EXIT_USAGE)
@@ -259,7 +260,8 @@ app.command("draft-vocab", short_help="Write the MTP's draft vocabulary from tex
 _LOADING_ERRORS = [("dsv4.model.checkpoint", "CheckpointError", "checkpoint error: "),
                    ("dsv4.engine.tokenizer", "TokenizerError", "tokenizer error: "),
                    ("dsv4.config", "ConfigError", "model config error: "),
-                   ("dsv4.engine.request", "RequestError", "")]
+                   ("dsv4.engine.request", "RequestError", ""),
+                   ("dsv4.engine.replicas.pool", "ReplicaError", "")]
 
 
 def _exit_status(e: BaseException) -> tuple[int, str | None]:

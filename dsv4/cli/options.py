@@ -191,6 +191,11 @@ TensorParallel = Annotated[Optional[int], typer.Option(
     "--tensor-parallel-size", metavar="T", rich_help_panel=ENGINE_PANEL,
     help="Spread the model over T ranks (heads, experts and vocabulary split T ways; with --device cuda "
          "rank r uses cuda:r, on cpu T processes) [default: 1; WORLD_SIZE under torchrun]")]
+DataParallel = Annotated[Optional[int], typer.Option(
+    "--data-parallel-size", metavar="N", rich_help_panel=ENGINE_PANEL,
+    help="Run N engine replicas behind the daemon, each a process pinned to its share of the cores "
+         "(--threads is per replica); requests go to the replica holding the longest prefix of their prompt, "
+         "else the least loaded [default: 1]")]
 NNodes = Annotated[Optional[int], typer.Option(
     "--nnodes", metavar="N", rich_help_panel=ENGINE_PANEL,
     help="Hosts the T ranks span (the same serve command on each, T / N ranks per host) [default: 1]")]
@@ -218,7 +223,7 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
-    "tensor_parallel_size": "--tensor-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
+    "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
     "draft_vocab": "--draft-vocab", "revision": "--revision", "grammar_compile_timeout": "--grammar-compile-timeout",

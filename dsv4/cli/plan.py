@@ -27,7 +27,7 @@ def plan(model: O.Model = None, revision: O.Revision = None, device: O.Device = 
          quantization: O.Quantization = None, max_model_len: O.MaxModelLen = None,
          max_num_seqs: O.MaxNumSeqs = None, max_num_batched_tokens: O.MaxBatched = None,
          num_speculative_tokens: O.NumSpec = None, tensor_parallel_size: O.TensorParallel = None,
-         kv_cache_memory: O.KvCacheMemory = None, nnodes: O.NNodes = None, compile: O.Compile = None,
+         data_parallel_size: O.DataParallel = None, kv_cache_memory: O.KvCacheMemory = None, nnodes: O.NNodes = None, compile: O.Compile = None,
          memory: PlanMemory = None,
          as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.")] = False) -> None:
     """Print the memory a configuration needs (weights by kind and format, the state pool, the
@@ -38,8 +38,8 @@ def plan(model: O.Model = None, revision: O.Revision = None, device: O.Device = 
     kw = O.engine_kwargs(model=model, revision=revision, device=device, dtype=dtype, quantization=quantization,
                          max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=num_speculative_tokens,
-                         tensor_parallel_size=tensor_parallel_size, kv_cache_memory=kv_cache_memory, nnodes=nnodes,
-                         compile=compile)
+                         tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                         kv_cache_memory=kv_cache_memory, nnodes=nnodes, compile=compile)
     try:
         size = parse_memory(memory, "cpu") if memory is not None else None
     except EngineConfigError as e:
@@ -51,13 +51,15 @@ def plan(model: O.Model = None, revision: O.Revision = None, device: O.Device = 
     if as_json:
         print(json.dumps({"quantization": config.quantization, "dtype": config.dtype,
                           "max_model_len": config.max_model_len, "max_num_seqs": config.max_num_seqs,
-                          "tensor_parallel_size": config.tensor_parallel_size, "ranks_here": p.ranks_here,
+                          "tensor_parallel_size": config.tensor_parallel_size,
+                          "data_parallel_size": config.data_parallel_size, "ranks_here": p.ranks_here,
                           "parts": [{"what": x.what, "bytes": x.bytes, "detail": x.detail} for x in p.parts],
                           "per_rank_bytes": p.per_rank, "host_bytes": p.host_bytes, "available_bytes": p.available,
                           "fits": p.fits()}, indent=1))
     else:
         print(f"{config.model}: {config.quantization}, {config.dtype}, --max-model-len {config.max_model_len}, "
-              f"--max-num-seqs {config.max_num_seqs}, --tensor-parallel-size {config.tensor_parallel_size}")
+              f"--max-num-seqs {config.max_num_seqs}, --tensor-parallel-size {config.tensor_parallel_size}"
+              + (f", --data-parallel-size {config.data_parallel_size}" if config.data_parallel_size > 1 else ""))
         print(p.render())
     if not p.fits():
         raise typer.Exit(O.EXIT_ERROR)

@@ -13,7 +13,7 @@ KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "up
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
          "memory_rss_bytes", "compiled", "compiled_buckets", "compile_building", "max_model_len", "preemptions",
          "blocks", "block_size", "free_blocks", "cached_blocks", "prefix_cache_queries", "prefix_cache_hits",
-         "prefix_cache_hit_rate", "model_id", "revision"}
+         "prefix_cache_hit_rate", "model_id", "revision", "data_parallel_size", "replicas", "routing"}
 
 
 def _bytes(n: Any) -> str:
@@ -62,6 +62,25 @@ def _pool(st: dict[str, Any]) -> str:
             f"{st.get('free_blocks')} free, {st.get('cached_blocks')} cached; prefix cache hit "
             f"{_pct(st.get('prefix_cache_hit_rate'))} of {st.get('prefix_cache_queries', 0)} prompt tokens; "
             f"{st.get('preemptions', 0)} preemptions")
+
+
+def _replicas(st: dict[str, Any]) -> list[tuple[str, str]]:
+    """One line per engine replica (--data-parallel-size), and the routing decisions."""
+    reps = st.get("replicas") or []
+    if not reps:
+        return []
+    routing = st.get("routing") or {}
+    lines = [("routing", f"{routing.get('prefix', 0)} by cached prefix, {routing.get('load', 0)} to the least "
+                         f"loaded, {routing.get('balance', 0)} away from a busy holder of their prefix")]
+    for r in reps:
+        routed = r.get("routed") or {}
+        lines.append((f"replica {r.get('index')}",
+                      f"{r.get('state')}, pid {r.get('pid')}, cores {','.join(map(str, r.get('cores') or []))}; "
+                      f"{r.get('running', 0)} running, {r.get('waiting', 0)} waiting, {r.get('in_flight', 0)} in "
+                      f"flight; {sum(routed.values())} routed ({routed.get('prefix', 0)} by prefix); prefix cache "
+                      f"hit {_pct(r.get('prefix_cache_hit_rate'))}; {r.get('output_tokens', 0)} tokens generated"
+                      + (f"; restarted {r['restarts']} time(s), last: {r.get('error')}" if r.get("restarts") else "")))
+    return lines
 
 
 def _model(st: dict[str, Any]) -> str:
@@ -115,6 +134,7 @@ def status_lines(st: dict[str, Any]) -> list[str]:
         ("memory", f"{_bytes(st.get('memory_rss_bytes'))} resident, {_bytes(st.get('state_bytes'))} request state"),
         ("state", _pool(st)),
     ]
+    lines += _replicas(st)
     out = [f"{k:<11} {v}" for k, v in lines]
     extra = {k: v for k, v in st.items() if k not in KNOWN}
     out += [f"{k:<11} {v}" for k, v in _flatten(extra)]

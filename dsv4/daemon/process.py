@@ -102,7 +102,7 @@ SETTING_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
-    "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
+    "data_parallel_size": "--data-parallel-size", "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
     "draft_vocab": "--draft-vocab",
 }
 
@@ -175,6 +175,12 @@ def load_engine(config: Any) -> Any:
     """Build the engine (loads the weights) with a progress bar on a terminal."""
     from dsv4.engine.engine import Engine
 
+    if config.data_parallel_size > 1:  # the replicas load in their own processes, side by side
+        from dsv4.engine.replicas.pool import EnginePool
+
+        log.info("starting %d engine replicas (--data-parallel-size), %d thread(s) each", config.data_parallel_size,
+                 config.threads)
+        return EnginePool(config)
     progress = ProgressBar("loading weights", "capturing decode buckets (--compile)")
     try:
         return Engine(config, progress=progress)
@@ -256,7 +262,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
         building = engine.build_in_background()
         if building:
             log.info("%s", building)
-        if engine.policy is not None:
+        if engine.calibration_note:
             log.info("%s", engine.calibration_note)
         also = (http.endpoint,) if http is not None else ()
         server = Server(engine, endpoint, model_name=model_name, also_bind=also, context=ctx, api_key=api_key,

@@ -78,6 +78,29 @@ def check_tensor_parallel(T: Any, mc: ModelConfig, device: str, nnodes: Any = 1,
                                     f"devices on each host; {n} are visible")
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's or taskset's limit counts)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_data_parallel(n: Any, threads: Any, planning: bool = False) -> None:
+    """--data-parallel-size: at least one core per engine, and --threads (per engine) times
+    the engines within the cores (not checked when `planning` for another machine)."""
+    check_int("--data-parallel-size", n, minimum=1)
+    if planning:
+        return
+    cpus = usable_cpus()
+    if n > cpus:
+        raise EngineConfigError(f"--data-parallel-size {n} needs a core per engine; this process may run on "
+                                f"{cpus} CPUs; use --data-parallel-size {cpus} or less")
+    if n > 1 and isinstance(threads, int) and not isinstance(threads, bool) and threads * n > cpus:
+        raise EngineConfigError(f"--data-parallel-size {n} x --threads {threads} (per engine) = {threads * n} "
+                                f"threads over {cpus} CPUs; use --threads {max(1, cpus // n)} or fewer engines")
+
+
 def check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"

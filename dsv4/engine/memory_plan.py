@@ -9,7 +9,7 @@ Weights are the loader's own meta model (`loader.meta_model`: the formats and dt
 kind; the draft head's int8 copy (w8a8 modes) is added. The state is the block pool
 `EngineConfig` sized, each slot's rings, and the prefix cache's saved rings at most. The
 activations are an estimate of one step at the token budget (`activation_bytes`). Ranks on one
-host add up. `serve` and `run --local` refuse a plan over the memory available, before a
+host add up, and so do engine replicas (--data-parallel-size). `serve` and `run --local` refuse a plan over the memory available, before a
 weight is read, naming the quantisations and limits that would fit.
 """
 
@@ -52,6 +52,7 @@ class MemoryPlan:
 
     parts: list[Part]
     ranks_here: int = 1
+    here: str = "ranks"  # what ranks_here counts: tensor-parallel ranks, or engines (--data-parallel-size)
     available: int | None = None  # bytes this host may use (MemAvailable, or `dsv4 plan --memory`)
     total_memory: int | None = None
     quantization: str = ""
@@ -71,9 +72,9 @@ class MemoryPlan:
     def render(self) -> str:
         """A table of the parts and the verdict (plain text, one line per part)."""
         rows = [(p.what, _gib(p.bytes), p.detail) for p in self.parts]
-        rows.append(("total per rank", _gib(self.per_rank), ""))
+        rows.append((f"total per {self.here[:-1]}", _gib(self.per_rank), ""))
         if self.ranks_here > 1:
-            rows.append((f"this host ({self.ranks_here} ranks)", _gib(self.host_bytes), ""))
+            rows.append((f"this host ({self.ranks_here} {self.here})", _gib(self.host_bytes), ""))
         w = max(len(r[0]) for r in rows)
         lines = [f"{a:<{w}}  {b:>10}  {c}".rstrip() for a, b, c in rows]
         if self.available is not None:
@@ -159,8 +160,9 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
     parts = weight_parts(config) + state_parts(config)
     parts.append(Part("activations (estimate)", activation_bytes(config),
                       f"one step of {config.max_num_batched_tokens} tokens (--max-num-batched-tokens)"))
-    plan = MemoryPlan(parts, ranks_here=config.tensor_parallel_size // max(1, config.nnodes),
-                      quantization=config.quantization)
+    replicas = config.data_parallel_size  # engines on this host, each with all of its parts
+    plan = MemoryPlan(parts, ranks_here=config.tensor_parallel_size // max(1, config.nnodes) * replicas,
+                      quantization=config.quantization, here="engines" if replicas > 1 else "ranks")
     if available is not None:
         plan.available = available
     elif config.device == "cpu":
@@ -171,7 +173,7 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
     if config.compile is True:  # --compile: missing buckets are captured in this process, before serving
         plan.parts.append(Part(COMPILE_BUILD, int(COMPILE_BUILD_COPIES * weights),
                                "--compile builds missing buckets in this process: a second copy of the weights"))
-    if config.compile == "auto":
+    if config.compile == "auto" and replicas == 1:  # replicas build nothing (each loads what is cached)
         plan.notes.append(f"note: serve builds missing compiled steps in a second process that loads its own "
                           f"copy of the weights ({_gib(weights).strip()}), only when that much is free")
     return plan

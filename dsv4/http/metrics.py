@@ -50,6 +50,19 @@ class Metrics:
         self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", lab, registry=r)
         self.accepted_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted per "
                                     "draft position", lab + ["position"], registry=r)
+        eng = lab + ["engine"]  # per replica (--data-parallel-size), from the daemon's status at scrape time
+        self.engine_running = Gauge("dsv4:engine_requests_running", "Requests running on one engine replica", eng,
+                                    registry=r)
+        self.engine_waiting = Gauge("dsv4:engine_requests_waiting", "Requests waiting on one engine replica", eng,
+                                    registry=r)
+        self.engine_hits = Gauge("dsv4:engine_prefix_cache_hits", "Prompt tokens one replica found in its prefix "
+                                 "cache (since it started)", eng, registry=r)
+        self.engine_queries = Gauge("dsv4:engine_prefix_cache_queries", "Prompt tokens one replica looked up in its "
+                                    "prefix cache (since it started)", eng, registry=r)
+        self.engine_routed = Gauge("dsv4:engine_routed_requests", "Requests routed to one replica, by why: prefix "
+                                   "(it holds the prompt's prefix), load (the least loaded), balance (away from a "
+                                   "busy holder)", eng + ["why"], registry=r)
+        self.engine_restarts = Gauge("dsv4:engine_restarts", "Times one replica was started again", eng, registry=r)
         for c in (self.prompt_tokens, self.generation_tokens, self.drafts, self.draft_tokens, self.accepted):
             c.labels(model_name)  # exported as 0 before the first request
         for g in (self.running, self.waiting):
@@ -85,6 +98,15 @@ class Metrics:
     def set_queue(self, status: dict[str, Any]) -> None:
         self.running.labels(self.model_name).set(float(status.get("running") or 0))
         self.waiting.labels(self.model_name).set(float(status.get("waiting") or 0))
+        for rep in status.get("replicas") or []:
+            m, e = self.model_name, str(rep.get("index"))
+            self.engine_running.labels(m, e).set(float(rep.get("running") or 0))
+            self.engine_waiting.labels(m, e).set(float(rep.get("waiting") or 0))
+            self.engine_hits.labels(m, e).set(float(rep.get("prefix_cache_hits") or 0))
+            self.engine_queries.labels(m, e).set(float(rep.get("prefix_cache_queries") or 0))
+            self.engine_restarts.labels(m, e).set(float(rep.get("restarts") or 0))
+            for why, n in (rep.get("routed") or {}).items():
+                self.engine_routed.labels(m, e, why).set(float(n))
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -57,6 +57,19 @@ def test_v4_pro_says_what_it_needs(capsys):
     assert tp["fits"] and tp["ranks_here"] == 1 and tp["per_rank_bytes"] < p["per_rank_bytes"] / 7
 
 
+def test_engine_replicas_each_count(capsys):
+    """--data-parallel-size N: every replica holds its own weights and state (planned for a
+    machine of 16 CPUs: the cores are not this one's)."""
+    one = _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8-mxfp4", "--dtype", "bfloat16",
+                "--max-model-len", "65536", "--memory", "400GiB")
+    two = _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8-mxfp4", "--dtype", "bfloat16",
+                "--max-model-len", "65536", "--memory", "400GiB", "--data-parallel-size", "2")
+    assert one["fits"] and two["data_parallel_size"] == 2 and two["ranks_here"] == 2
+    assert two["per_rank_bytes"] == one["per_rank_bytes"] and two["host_bytes"] == 2 * one["host_bytes"]
+    assert not _plan(capsys, "deepseek-v4-flash", "--quantization", "w8a8-mxfp4", "--dtype", "bfloat16",
+                     "--max-model-len", "65536", "--memory", "192GiB", "--data-parallel-size", "2")["fits"]
+
+
 @pytest.mark.parametrize("q, T", [("none", 1), ("w8a8", 2), ("w8a8-mxfp4", 1), ("mxfp4", 2)])
 def test_the_experts_shortcut_equals_the_whole_meta_model(tmp_path, q, T):
     write_tiny_checkpoint(tmp_path, quantize=True)
