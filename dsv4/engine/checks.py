@@ -101,6 +101,23 @@ def check_data_parallel(n: Any, threads: Any, planning: bool = False) -> None:
                                 f"threads over {cpus} CPUs; use --threads {max(1, cpus // n)} or fewer engines")
 
 
+def check_replicas(n: int, device: str, hosts: int, torchrun: bool) -> None:
+    """--data-parallel-size with the ranks: replicas run on this host's CPU cores, a replica's
+    --tensor-parallel-size ranks on its share of them (one host's; not on an accelerator, not
+    under torchrun yet)."""
+    if n == 1:
+        return
+    if device != "cpu":
+        raise EngineConfigError(f"--data-parallel-size {n} runs engine replicas on this host's CPU cores; "
+                                f"on --device {device} it is not supported yet: use one engine")
+    if torchrun:
+        raise EngineConfigError(f"--data-parallel-size {n} under torchrun is not supported yet: torchrun places "
+                                f"one engine's ranks; run 'dsv4 serve --data-parallel-size {n}' itself")
+    if hosts > 1:
+        raise EngineConfigError(f"--data-parallel-size {n} with ranks on {hosts} hosts is not supported yet: "
+                                f"each replica's --tensor-parallel-size ranks run on this host")
+
+
 def check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"

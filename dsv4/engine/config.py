@@ -26,7 +26,7 @@ from dsv4 import draft_vocab
 
 from dsv4.engine.checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
-                     weight_names, check_data_parallel, usable_cpus)
+                     weight_names, check_data_parallel, check_replicas, usable_cpus)
 from dsv4.engine.parallel.launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
 QUANTIZATION_LINES = {  # the banner's words for each --quantization
@@ -117,9 +117,8 @@ class EngineConfig:
         if self.profile_dir is not None:
             set_("profile_dir", check_profile_dir(self.profile_dir))
         check_data_parallel(self.data_parallel_size, self.threads, self.planning)
-        if self.threads is None:
-            set_("threads", default_threads() if self.data_parallel_size == 1 else replica_threads(self.data_parallel_size))
-        check_int("--threads", self.threads, minimum=1)
+        if self.threads is not None:
+            check_int("--threads", self.threads, minimum=1)
         t = self.grammar_compile_timeout
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
             raise EngineConfigError(f"--grammar-compile-timeout must be a number of seconds in (0, 3600], got {t!r}")
@@ -139,11 +138,10 @@ class EngineConfig:
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         check_hosts(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr, self.master_port,
                     self.rendezvous_timeout)
-        if self.data_parallel_size > 1 and (self.tensor_parallel_size > 1 or self.device != "cpu"):
-            raise EngineConfigError(
-                f"--data-parallel-size {self.data_parallel_size} runs engine replicas on this host's CPU cores; "
-                + (f"with --tensor-parallel-size {self.tensor_parallel_size} it is not supported yet: use one of them"
-                   if self.tensor_parallel_size > 1 else f"on --device {self.device} use one engine"))
+        check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None)
+        if self.threads is None:  # one fewer than the cores; a replica's rank: its share of them
+            n = self.data_parallel_size
+            set_("threads", default_threads() if n == 1 else replica_threads(n * self.tensor_parallel_size))
         set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
                                                  tensor_parallel_size=self.tensor_parallel_size))
         official = self.planning and not any(Path(self.model).glob("*.safetensors"))
@@ -396,13 +394,14 @@ def default_threads() -> int:
     return max(1, min(usable_cpus() - 1, MAX_DEFAULT_THREADS))
 
 
-def replica_threads(replicas: int) -> int:
-    """Threads of each of `replicas` engines (--data-parallel-size): its share of the cores,
-    which it is pinned to (`replicas.cores_of`); $OMP_NUM_THREADS when set."""
+def replica_threads(ranks: int) -> int:
+    """Threads of each of `ranks` processes of engine replicas (--data-parallel-size, times
+    --tensor-parallel-size): its share of the cores its replica is pinned to
+    (`replicas.pool.cores_of`); $OMP_NUM_THREADS when set."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, min(usable_cpus() // replicas, MAX_DEFAULT_THREADS))
+    return max(1, min(usable_cpus() // ranks, MAX_DEFAULT_THREADS))
 
 
 def load_threads(threads: int, ranks_here: int) -> int:

@@ -1,6 +1,6 @@
 """`dsv4 serve --data-parallel-size 2` as a real daemon (two engine replica processes, each
-pinned to its own cores): the same greedy text as one engine, the work shared between the
-replicas, a conversation's turns routed to one replica by their cached prefix, `status`
+pinned to its own cores): the same greedy text as one engine (also with two tensor-parallel
+ranks per replica), the work shared between the replicas, a conversation's turns routed to one replica by their cached prefix, `status`
 listing each replica. Faults: a replica killed mid-request fails that request alone (one line
 naming it), the other serves meanwhile, and it is started again; a frozen replica is killed
 after DSV4_REPLICA_TIMEOUT and the request it held runs elsewhere (nothing lost). Settings that
@@ -66,6 +66,26 @@ def test_replicas_give_one_engines_text_and_share_the_work(daemon: Daemon, two: 
         assert n == sum(routed(st)[i].values())
 
 
+def test_replicas_of_two_ranks_give_one_engines_text(daemon: Daemon, tiny_model: Path) -> None:
+    """N x T: two replicas, each a tensor-parallel group of two ranks (four processes)."""
+    args = ("--max-tokens", str(N), "--ignore-eos", "--raw")
+    refs = [run_json(*args, p, endpoint=daemon.endpoint)["text"] for p in PROMPTS[:2]]
+    d = Daemon(tiny_model, "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--num-speculative-tokens", "1",
+               env=env_for(**TIMEOUT)).wait_ready(timeout=240)
+    try:
+        runs = [spawn("run", "--json", *args, p, endpoint=d.endpoint) for p in PROMPTS[:2]]
+        try:
+            assert [json.loads(r.communicate(timeout=120)[0])["text"] for r in runs] == refs
+        finally:
+            for r in runs:
+                reap(r)
+        st = status(d.endpoint)
+        assert st["tensor_parallel_size"] == 2 and len(st["rank_weight_bytes"]) == 2
+        assert [r["state"] for r in st["replicas"]] == ["serving"] * 2
+    finally:
+        d.cleanup()
+
+
 def test_a_conversations_turns_land_on_one_replica(two: Daemon) -> None:
     first = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
              "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.\nJULIET:")
@@ -122,8 +142,8 @@ def test_a_killed_replica_fails_its_request_alone_and_comes_back(tiny_model: Pat
 @pytest.mark.parametrize("flags, env, words", [
     (["--data-parallel-size", "999"], {}, "--data-parallel-size 999 needs a core per engine"),
     (["--data-parallel-size", "2", "--threads", "999"], {}, "--data-parallel-size 2 x --threads 999"),
-    (["--data-parallel-size", "2", "--tensor-parallel-size", "2"], {}, "with --tensor-parallel-size 2 it is not "
-                                                                      "supported yet"),
+    (["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+      "--master-port", "1"], {}, "with ranks on 2 hosts is not supported yet"),
     (["--data-parallel-size", "2"], {"DSV4_ROUTING": "fastest"}, "DSV4_ROUTING: routing mode 'fastest'"),
 ])
 def test_settings_that_cannot_work_are_one_line(tiny_model: Path, flags: list[str], env: dict[str, str],

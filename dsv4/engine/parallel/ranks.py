@@ -69,8 +69,10 @@ def _local_device(config: Any, rank: int) -> str:
     dev = rank_device(config.device, rank % per_host if launch is None else launch.local_rank)
     if dev != "cpu":
         getattr(torch, dev.partition(":")[0]).set_device(dev)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_host))
+    else:  # the CPUs this process may use (a replica's share, a taskset), not the machine's
+        from dsv4.engine.checks import usable_cpus
+
+        torch.set_num_threads(max(1, usable_cpus() // per_host))
     return dev
 
 

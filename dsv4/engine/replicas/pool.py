@@ -159,7 +159,7 @@ class EnginePool(RequestFront):
     def _spawn(self, r: _Replica) -> None:
         ours, theirs = self._ctx.Pipe()
         r.proc = self._ctx.Process(target=replica_main, args=(r.index, self._config_of(r), r.cores, theirs),
-                                   name=f"dsv4-replica-{r.index}", daemon=True)
+                                   name=f"dsv4-replica-{r.index}")  # not daemonic: it may spawn its ranks
         r.proc.start()
         theirs.close()
         r.conn, r.state, r.heard, r.status = ours, "starting", time.monotonic(), {}
