@@ -10,7 +10,8 @@
 # ATEN_CPU_CAPABILITY=avx2 with MKL and oneDNN held to AVX2 (as on an AMD EPYC without VNNI)
 # and =default (no SIMD; MKL SSE4_2, oneDNN SSE41), so a promise that holds only on this
 # CPU's kernels fails here too. Each run writes its
-# own log, shown in full when it ends; the exit status is non-zero if any run failed.
+# own log, shown in full when it ends, with its slowest tests (--durations: where the suite's
+# time goes); the exit status is non-zero if any run failed.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/venv.sh test >&2
@@ -50,16 +51,16 @@ tier() {
     [ "$cap" = default ] && mkl=SSE4_2 dnnl=SSE41
     echo "== the exactness tier under ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$dnnl"
     ATEN_CPU_CAPABILITY=$cap MKL_ENABLE_INSTRUCTIONS=$mkl ONEDNN_MAX_CPU_ISA=$dnnl OMP_NUM_THREADS=1 \
-      "$py" -m pytest -p no:cacheprovider -m exact || status=1
+      "$py" -m pytest -p no:cacheprovider --durations=15 -m exact || status=1
   done
   echo "== e2e: ${late_e2e[*]}"
-  "$py" -m pytest -p no:cacheprovider "${late_e2e[@]}" || status=1
+  "$py" -m pytest -p no:cacheprovider --durations=10 "${late_e2e[@]}" || status=1
   return $status
 }
 
-"$py" -m pytest -p no:cacheprovider tests/e2e "${late_e2e[@]/#/--ignore=}" >"$logs/e2e" 2>&1 &
+"$py" -m pytest -p no:cacheprovider --durations=25 tests/e2e "${late_e2e[@]/#/--ignore=}" >"$logs/e2e" 2>&1 &
 e2e=$!
-"$py" -m pytest -p no:cacheprovider tests/unit tests/model >"$logs/model" 2>&1 &
+"$py" -m pytest -p no:cacheprovider --durations=25 tests/unit tests/model >"$logs/model" 2>&1 &
 model=$!
 tier >"$logs/tier" 2>&1 &
 exact=$!
