@@ -78,11 +78,17 @@ def init(rank: int, world: int, master_addr: str, master_port: int, *, backend: 
         _wait_for_master(master_addr, master_port, wait)
     # a client of its own even on the serving rank: the group keeps this one, and the server can go
     store = dist.TCPStore(master_addr, master_port, world, is_master=False, timeout=meet)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    # forming the group (gloo's full mesh of connections, read from the store) may take as
+    # long as the rendezvous on a loaded machine; the collectives get `timeout` once it stands
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # private in torch 2.13
+    forming = max(timeout, meet) if set_timeout is not None else timeout
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=forming)
     _GROUP = dist.group.WORLD
     if backend == "gloo":
         dist.barrier()  # every rank is through the rendezvous: nobody reads the store again
         server = None  # the listener closes with it
+    if forming != timeout:
+        set_timeout(timeout)
     _SERVER = server
 
 

@@ -118,3 +118,47 @@ def test_a_meeting_waits_past_the_collective_timeout_on_every_rank(tmp_path: Pat
     ranks: their sends to a late rank 0 are bounded by the group's timeout)."""
     waits, _ = spawn_ranks(_late_meet, (late_rank, 4.0), tmp_path, world=3, timeout_s=1)  # every rank exits 0
     assert min(w[0] for r, w in enumerate(waits) if r != late_rank) > 2.0, waits  # they did wait for it
+
+
+def _late_join(rank: int, port: int, out: str) -> None:
+    """Rank 1 joins 3 s after rank 0, in a group whose collectives time out after 1 s; then
+    rank 0 is 3 s late for an all_reduce. Writes (joined, all_reduce outcome, seconds)."""
+    import json
+    import torch
+
+    if rank == 1:
+        time.sleep(3)
+    try:
+        parallel.init(rank, 2, "127.0.0.1", port, timeout_s=1, rendezvous_s=120)
+    except Exception as e:  # noqa: BLE001  (reported by the test)
+        Path(f"{out}.{rank}").write_text(json.dumps([False, f"{type(e).__name__}: {e}"[:200], 0.0]))
+        return
+    if rank == 0:
+        time.sleep(3)
+    t = time.monotonic()
+    try:
+        torch.distributed.all_reduce(torch.ones(1))
+        outcome = "ok"
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    Path(f"{out}.{rank}").write_text(json.dumps([True, outcome, time.monotonic() - t]))
+    os._exit(0)  # the group is broken by design: no orderly leave
+
+
+def test_a_slow_join_waits_for_the_rendezvous_then_collectives_keep_their_timeout(tmp_path: Path) -> None:
+    """Forming the group may take the rendezvous timeout (gloo connects its full mesh through
+    the store: under load that took over 5 s, and a 5 s collective timeout failed the start);
+    once formed, a collective still fails after the collective timeout."""
+    import json
+    from tests.e2e.util import free_port
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_late_join, args=(r, port, str(tmp_path / "out"))) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    got = [json.loads((tmp_path / f"out.{r}").read_text()) for r in (0, 1)]
+    assert got[0][0] and got[1][0], got  # both joined, 3 s apart under a 1 s collective timeout
+    assert got[1][1] != "ok" and got[1][2] < 2.5, got  # rank 1 waited for rank 0's all_reduce 1 s, not 3
