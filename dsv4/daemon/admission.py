@@ -258,8 +258,7 @@ class Admission:
     def _reject(self, client: bytes, req: P.Generate, erid: str, e: BaseException) -> None:
         if not isinstance(e, ValueError):
             log.warning("request %s rejected: %s: %s", erid, type(e).__name__, e)
-        code = P.ERR_BUSY if isinstance(e, RequestBusy) else P.ERR_BAD_REQUEST
-        self.server.send(client, P.error(req.id, code, str(e) or type(e).__name__))
+        self.server.send(client, P.error(req.id, *refusal(e)))
 
     def collect_prepared(self) -> None:
         """Queue the requests whose prompts are tokenized and grammars compiled (unless
@@ -311,6 +310,11 @@ class Admission:
         pieces = tokenizer.detokenizer() if req.pieces and tokenizer is not None else None
         self.table.live[erid] = Live(client, req.id, pieces, req.client)
         state.requests[req.id] = erid
+
+
+def refusal(e: BaseException) -> tuple[str, str]:
+    """The error code and line a refused request gets: busy (try again) or bad_request."""
+    return P.ERR_BUSY if isinstance(e, RequestBusy) else P.ERR_BAD_REQUEST, str(e) or type(e).__name__
 
 
 def _length_refusal(engine: ServedEngine, prompt: str | list[int], params: Any) -> str | None:

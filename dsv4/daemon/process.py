@@ -226,7 +226,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
             log.error("%s", e)
             lock.release()
             return EXIT_ERROR
-    server = None
+    server = engine = None
     ctx = None  # with --http: the ZeroMQ context the ROUTER and the HTTP front end share (inproc)
     old_term = signal.signal(signal.SIGTERM, _raise_interrupt)  # a stop while loading exits cleanly
     try:
@@ -277,10 +277,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
         server.install_signal_handlers()
         log.info("listening on %s (pid %d); descriptor limit %d (hard %d), at most %d connections", endpoint,
                  os.getpid(), soft, hard, server.max_connections)
-        try:
-            reason = server.serve_forever()
-        finally:
-            engine.close()  # flushes --profile traces
+        reason = server.serve_forever()
         if reason == RANK_FAILURE:
             return EXIT_ERROR
         return EXIT_INTERRUPTED if reason == "SIGINT" else EXIT_OK
@@ -295,6 +292,8 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
             server.close()  # terminates ctx too
         elif ctx is not None:
             ctx.term()
+        if engine is not None:  # on every path once loaded (a failed bind too): its ranks and replicas stop
+            engine.close()  # flushes --profile traces
         lock.release()
         log.info("stopped; socket and pid file removed")
 

@@ -28,8 +28,9 @@ import zmq
 
 from dsv4 import __version__
 from dsv4.daemon import protocol as P
-from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, Live, RequestTable
+from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, Live, RequestTable, refusal
 from dsv4.daemon.contract import ServedEngine
+from dsv4.engine.errors import EngineFailed
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 from dsv4.daemon.watch import StepWatch, log_finished, rss_bytes
@@ -48,7 +49,7 @@ MAX_REQUESTS_PER_CLIENT = 256  # in flight for one client (a connection, or an e
 log = logging.getLogger("dsv4.daemon")
 
 
-RANK_FAILURE = "tensor-parallel rank failure"  # stop reason: the daemon exits non-zero
+RANK_FAILURE = "engine failure"  # stop reason (a broken tensor-parallel group, no replica left): exit non-zero
 
 
 class Server:
@@ -325,13 +326,17 @@ class Server:
         except Exception as e:  # noqa: BLE001
             log.exception("engine step failed; failing the requests in flight")
             self._cancel_all(f"engine step failed: {type(e).__name__}: {e}", reason="error")
-            if self.engine.ranks is not None:  # a broken tensor-parallel group cannot go on
+            if self.engine.ranks is not None or isinstance(e, EngineFailed):  # a broken group, no replica left
                 self.stop_reason = RANK_FAILURE
             return
         for out in outputs:
             live = self.requests.live.get(out.request_id)
             if live is None:
                 continue  # cancelled meanwhile
+            if out.refusal is not None:  # refused where it was queued (an engine replica): as admission refuses
+                self._forget(out.request_id)
+                self.send(live.client, P.error(live.rid, *refusal(out.refusal)))
+                continue
             for msg in P.output_messages(live.rid, out, live.pieces):
                 if msg["type"] == "final":
                     self._forget(out.request_id)

@@ -101,7 +101,7 @@ def check_data_parallel(n: Any, threads: Any, planning: bool = False) -> None:
                                 f"threads over {cpus} CPUs; use --threads {max(1, cpus // n)} or fewer engines")
 
 
-def check_replicas(n: int, device: str, hosts: int, torchrun: bool) -> None:
+def check_replicas(n: int, device: str, hosts: int, torchrun: bool, master_port: Any = None) -> None:
     """--data-parallel-size with the ranks: replicas run on this host's CPU cores, a replica's
     --tensor-parallel-size ranks on its share of them (one host's; not on an accelerator, not
     under torchrun yet)."""
@@ -116,6 +116,9 @@ def check_replicas(n: int, device: str, hosts: int, torchrun: bool) -> None:
     if hosts > 1:
         raise EngineConfigError(f"--data-parallel-size {n} with ranks on {hosts} hosts is not supported yet: "
                                 f"each replica's --tensor-parallel-size ranks run on this host")
+    if master_port:
+        raise EngineConfigError(f"--data-parallel-size {n} with --master-port: each replica's ranks meet on a port "
+                                f"of their own; leave --master-port out")
 
 
 def check_int(flag: str, value: Any, minimum: int, hint: str = "") -> None:

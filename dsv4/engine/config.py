@@ -138,7 +138,7 @@ class EngineConfig:
                                "--tensor-parallel-size" if self.launch is None else "WORLD_SIZE")
         check_hosts(self.tensor_parallel_size, self.nnodes, self.node_rank, self.master_addr, self.master_port,
                     self.rendezvous_timeout)
-        check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None)
+        check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None, self.master_port)
         if self.threads is None:  # one fewer than the cores; a replica's rank: its share of them
             n = self.data_parallel_size
             set_("threads", default_threads() if n == 1 else replica_threads(n * self.tensor_parallel_size))

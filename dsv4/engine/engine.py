@@ -318,7 +318,6 @@ class Engine(RequestFront):
         return "; ".join(n for n in notes if n)
 
     def status(self) -> dict[str, Any]:
-        s = self.scheduler
         buckets = self.compiled_buckets()
         return {
             "compiled": bool(buckets["main"] or buckets["mtp"]),
@@ -338,16 +337,21 @@ class Engine(RequestFront):
             "max_speculative_tokens": self.config.num_speculative_tokens,
             "vocab_size": self.config.model_config.vocab_size,
             "uptime_s": time.time() - self.started,
-            "running": len(s.running),
-            "waiting": len(s.waiting),
             "state_bytes": (self.runner.state.ring_bytes_per_slot() * self.config.max_num_seqs
                             + self.config.kv_cache_memory),
             "max_model_len": self.config.max_model_len,
-            "preemptions": s.num_preemptions,
             "grammars": self.grammars.status(),
-            **s.kv.stats(),
+            **self.counters(),
             "totals": self.metrics.to_dict(),
         }
+
+    def counters(self) -> dict[str, Any]:
+        """What changes step by step, cheaply (no sorting; safe to read from another thread
+        while a step runs): the queue, the block pool and prefix cache, steps and tokens."""
+        s, m = self.scheduler, self.metrics
+        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+                **s.kv.stats(), "steps": m.num_steps, "prefill_tokens": m.num_prefill_tokens,
+                "decode_tokens": m.num_decode_tokens, "busy_s": m.busy_s, "completion_tokens": m.completion_tokens}
 
     def close(self) -> None:
         """Flush the profiler (if --profile is on); stop the other ranks, a background build and

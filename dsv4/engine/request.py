@@ -124,3 +124,6 @@ class RequestOutput:
     logprobs: list[dict[str, Any]] | None = None
     # the prompt's, in the request's first output (`prompt_logprobs`; the first token's logprob is None)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    # refused where it was queued (an engine replica: a grammar that did not compile, a full
+    # queue): the daemon answers it as its admission refuses (`RequestBusy`: busy, else bad_request)
+    refusal: Exception | None = None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterator
@@ -86,6 +87,26 @@ def test_replicas_of_two_ranks_give_one_engines_text(daemon: Daemon, tiny_model:
         d.cleanup()
 
 
+def post(two: Daemon, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    req = urllib.request.Request(f"{two.http}/v1/completions", data=json.dumps(body).encode(),  # type: ignore[attr-defined]
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_structured_outputs_compile_in_the_replica_and_bad_grammars_are_400(two: Daemon) -> None:
+    name = status(two.endpoint)["model"].rstrip("/").rsplit("/", 1)[-1]
+    code, body = post(two, {"model": name, "prompt": "Who", "max_tokens": 8, "temperature": 0,
+                            "guided_choice": ["ay", "nay"]})
+    assert code == 200 and body["choices"][0]["text"] in ("ay", "nay"), body
+    code, body = post(two, {"model": name, "prompt": "Who", "max_tokens": 4, "guided_regex": "(unclosed"})
+    msg = body.get("message") or body.get("error", {}).get("message", "")
+    assert code == 400 and "regex" in msg and "\n" not in msg, body  # refused as one engine refuses it
+
+
 def test_a_conversations_turns_land_on_one_replica(two: Daemon) -> None:
     first = ("ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun. "
              "Arise, fair sun, and kill the envious moon, who is already sick and pale with grief.\nJULIET:")
@@ -144,6 +165,8 @@ def test_a_killed_replica_fails_its_request_alone_and_comes_back(tiny_model: Pat
     (["--data-parallel-size", "2", "--threads", "999"], {}, "--data-parallel-size 2 x --threads 999"),
     (["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
       "--master-port", "1"], {}, "with ranks on 2 hosts is not supported yet"),
+    (["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--master-port", "29999"], {},
+     "--data-parallel-size 2 with --master-port: each replica's ranks meet on a port of their own"),
     (["--data-parallel-size", "2"], {"DSV4_ROUTING": "fastest"}, "DSV4_ROUTING: routing mode 'fastest'"),
 ])
 def test_settings_that_cannot_work_are_one_line(tiny_model: Path, flags: list[str], env: dict[str, str],

@@ -211,7 +211,7 @@ class FakeEngine:
             st[0] += 1
             done = st[0] >= st[1]
             outs.append(SimpleNamespace(request_id=rid, text="x", token_ids=[7], sources=["target"], finished=done,
-                                        finish_reason="length" if done else None, error=None,
+                                        finish_reason="length" if done else None, error=None, refusal=None,
                                         metrics={"usage": {"completion_tokens": st[0]}} if done else None))
             if done:
                 del self.live[rid]

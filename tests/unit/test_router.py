@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from dsv4.engine.replicas.pool import _cpulist, cores_of
+from dsv4.engine.replicas.cores import cpulist as _cpulist, cores_of
 from dsv4.engine.replicas.router import PIECE_TOKENS, Router
 
 P = PIECE_TOKENS

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dsv4.engine.errors import EngineFailed
 from dsv4.model import parallel
 from dsv4.engine.parallel import step_plan as plan
 
@@ -32,7 +33,7 @@ BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 START_TIMEOUT_S = 3600.0  # how far apart the ranks may finish a start phase (a shard's load, a compile)
 
 
-class RankError(RuntimeError):
+class RankError(EngineFailed):
     """A rank of the tensor-parallel group died or could not start (one line)."""
 
 

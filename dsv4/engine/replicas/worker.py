@@ -4,58 +4,85 @@ stepping on its own, fed and drained by the daemon's `EnginePool` over a pipe.
     pool -> replica   ("add", request id, prompt ids, SamplingParams, add_request keywords, grammar spec | None)
                       ("abort", request id)          ("stop",)
     replica -> pool   ("ready", facts)               once loaded; ("failed", one line) if it could not start
-                      ("out", [RequestOutput], status | None)
-                           after every step with output, and at least every BEAT_S (then with
-                           its status, as when a request finished): the beat by which the pool
-                           tells a frozen replica from a busy one
+                      ("out", [RequestOutput])       after every step with output
+                      ("beat", counters)             every BEAT_S, from a thread: also during a long step
                       ("crashed", one line)          a step raised; the process then exits 1
 
-The loop never waits while it has work: it takes what the pipe holds, steps, sends the outputs.
-A structured request's grammar compiles in this engine's own worker processes
-(`Engine.submit_grammar`); the request joins the engine once it is built (or finishes with the
-compile's error), so a slow grammar holds up nobody. A request the engine refuses finishes at
-once with finish_reason "error" and the one-line reason.
+Three threads: a reader takes everything the pool sends as it comes (so the pool's sends
+never wait for a step to end; the pipe closing means the daemon is gone: the process exits),
+a beat reports `Engine.counters()` twice a second whatever the loop is doing (so a long step
+is not silence: only a process that stopped altogether, or hangs holding the interpreter,
+goes quiet), and the loop steps whenever it has work. A structured request's grammar
+compiles in this engine's own worker processes (`Engine.submit_grammar`); the request joins
+the engine once built, so a slow grammar holds up nobody. A request the engine refuses
+comes back as a finished output carrying the refusal (the daemon answers it as admission does).
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import signal
-import time
+import threading
 import traceback
 from concurrent.futures import Future
 from typing import Any
 
 BEAT_S = 0.5  # the most a live replica stays silent
-IDLE_WAIT_S = 0.25  # how long an idle replica blocks on the pipe between beats
+IDLE_WAIT_S = 0.25  # how long an idle loop blocks on its inbox
+
+
+class _Link:
+    """The replica's end of the pipe: one lock over its sends, a reader thread filling `inbox`."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.lock, self.inbox = conn, threading.Lock(), queue.Queue()
+        threading.Thread(target=self._read, name="dsv4-replica-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self.conn.recv()
+                self.inbox.put(msg)
+                if msg[0] == "stop":
+                    return
+        except (EOFError, OSError):
+            os._exit(3)  # the daemon is gone
+
+    def send(self, msg: tuple) -> None:
+        with self.lock:
+            self.conn.send(msg)
 
 
 def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
-    """Entry point of replica `index` (spawned): pin to `cores`, load, serve the pipe until "stop"."""
+    """Entry point of replica `index` (spawned): pin to `cores`, load, serve until "stop"."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the daemon stops us in order
     try:
         os.sched_setaffinity(0, cores)
     except (AttributeError, OSError):
         pass
+    link = _Link(conn)
     try:
         from dsv4.engine.engine import Engine
 
         engine = Engine(config)
     except Exception as e:  # noqa: BLE001  (the pool reports it as this replica's start failure)
-        conn.send(("failed", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"))
+        lines = str(e).strip().splitlines()
+        link.send(("failed", f"{type(e).__name__}: {lines[0] if lines else ''}"))
         return
-    conn.send(("ready", {"pid": os.getpid(), "cores": cores, "weight_bytes": engine.weight_bytes,
-                         "quant_note": engine.quant_note, "compile_note": engine.compile_note,
-                         "calibration_note": engine.calibration_note}))
     try:
-        _serve(engine, conn)
-    except (EOFError, OSError, KeyboardInterrupt):
-        pass  # the pool is gone
+        link.send(("ready", {"pid": os.getpid(), "cores": cores, "weight_bytes": engine.weight_bytes,
+                             "quant_note": engine.quant_note, "compile_note": engine.compile_note,
+                             "calibration_note": engine.calibration_note, "status": engine.status()}))
+        stop = threading.Event()
+        threading.Thread(target=_beat, args=(engine, link, stop), name="dsv4-replica-beat", daemon=True).start()
+        _serve(engine, link)
+        stop.set()
     except Exception as e:  # noqa: BLE001
         if os.environ.get("DSV4_DEBUG"):
             traceback.print_exc()
         try:
-            conn.send(("crashed", f"{type(e).__name__}: {e}"))
+            link.send(("crashed", f"{type(e).__name__}: {e}"))
         except (OSError, ValueError):
             pass
         raise SystemExit(1)
@@ -63,15 +90,25 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
         engine.close()
 
 
-def _serve(engine: Any, conn: Any) -> None:
+def _beat(engine: Any, link: _Link, stop: threading.Event) -> None:
+    try:
+        while not stop.wait(BEAT_S):
+            link.send(("beat", engine.counters()))
+    except (OSError, ValueError):
+        pass  # the daemon is gone (the reader ends the process)
+
+
+def _serve(engine: Any, link: _Link) -> None:
     compiling: dict[str, tuple[Future, list[int], Any, dict[str, Any]]] = {}
-    last_beat = 0.0
     while True:
         outs: list[Any] = []
         wait = 0.0 if engine.has_unfinished() else (0.01 if compiling else IDLE_WAIT_S)
-        while conn.poll(wait):
+        while True:
+            try:
+                msg = link.inbox.get(timeout=wait) if wait else link.inbox.get_nowait()
+            except queue.Empty:
+                break
             wait = 0.0
-            msg = conn.recv()
             if msg[0] == "stop":
                 return
             if msg[0] == "abort":
@@ -89,15 +126,11 @@ def _serve(engine: Any, conn: Any) -> None:
         for rid in [r for r, job in compiling.items() if job[0].done()]:
             fut, ids, params, kw = compiling.pop(rid)
             error = fut.exception()
-            outs.extend(_failed(rid, error) if error is not None else _add(engine, rid, ids, params, kw, fut.result()))
+            outs.extend(_refused(rid, error) if error is not None else _add(engine, rid, ids, params, kw, fut.result()))
         if engine.has_unfinished():
             outs.extend(engine.step())
-        now = time.monotonic()
-        beat = now - last_beat >= BEAT_S or any(o.finished for o in outs)  # the status fresh once one ends
-        if outs or beat:
-            conn.send(("out", outs, engine.status() if beat else None))
-            if beat:
-                last_beat = now
+        if outs:
+            link.send(("out", outs))
 
 
 def _add(engine: Any, rid: str, ids: list[int], params: Any, kw: dict[str, Any], grammar: Any) -> list[Any]:
@@ -106,10 +139,15 @@ def _add(engine: Any, rid: str, ids: list[int], params: Any, kw: dict[str, Any],
         engine.add_request(ids, params, request_id=rid, grammar=grammar, **kw)
         return []
     except Exception as e:  # noqa: BLE001  (RequestError: this request only)
-        return _failed(rid, e)
+        return _refused(rid, e)
 
 
-def _failed(rid: str, error: BaseException) -> list[Any]:
-    from dsv4.engine.request import FINISH_ERROR, RequestOutput
+def _refused(rid: str, error: BaseException) -> list[Any]:
+    from dsv4.engine.request import FINISH_ERROR, RequestError, RequestOutput
 
-    return [RequestOutput(rid, finished=True, finish_reason=FINISH_ERROR, error=str(error) or type(error).__name__)]
+    if not isinstance(error, RequestError):
+        traceback.print_exception(error)
+
+    refused = isinstance(error, RequestError)  # else a bug: the request fails as "error" (HTTP 500)
+    return [RequestOutput(rid, finished=True, finish_reason=FINISH_ERROR, error=str(error) or type(error).__name__,
+                          refusal=error if refused else None)]
