@@ -24,6 +24,7 @@ import torch
 from dsv4.model import fp4_kernel, int8pack, parallel
 from dsv4.model.w8a8 import INT8_MODES
 from dsv4.model.loader import load_model
+from dsv4.engine.checks import EngineConfigError
 from dsv4.engine.config import EngineConfig, load_threads
 from dsv4.engine.front import RequestFront
 from dsv4.engine.kvcache import BlockManager
@@ -63,6 +64,9 @@ class Engine(RequestFront):
         torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
         T = config.tensor_parallel_size
+        if config.data_parallel_size > 1:
+            raise EngineConfigError(f"--data-parallel-size {config.data_parallel_size}: replicas run behind "
+                                    f"'dsv4 serve' (replicas.pool.EnginePool); one Engine is one replica")
         if config.node_rank > 0:
             raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
                             f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")

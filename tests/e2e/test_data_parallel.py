@@ -175,3 +175,12 @@ def test_settings_that_cannot_work_are_one_line(tiny_model: Path, flags: list[st
              env=env_for(**env), timeout=60)
     assert r.returncode in (1, 2) and words in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "loaded in" not in r.stderr
+
+
+def test_an_engine_in_process_is_one_replica(tiny_model: Path) -> None:
+    """`LLM` (and run/bench --local) run one engine: asking it for replicas is refused before loading."""
+    from dsv4 import LLM
+    from dsv4.engine.checks import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="replicas run behind 'dsv4 serve'"):
+        LLM(tiny_model, data_parallel_size=2)
