@@ -102,8 +102,8 @@ SETTING_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
-    "data_parallel_size": "--data-parallel-size", "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
-    "draft_vocab": "--draft-vocab",
+    "data_parallel_size": "--data-parallel-size", "compile": "--compile", "kv_cache_memory": "--kv-cache-memory",
+    "enable_prefix_caching": "--enable-prefix-caching", "draft_vocab": "--draft-vocab",
 }
 
 

@@ -30,10 +30,10 @@ from dsv4 import __version__
 from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, Live, RequestTable, refusal
 from dsv4.daemon.contract import ServedEngine
-from dsv4.engine.errors import EngineFailed
 from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
 from dsv4.daemon.paths import ipc_path
 from dsv4.daemon.watch import StepWatch, log_finished, rss_bytes
+from dsv4.engine.errors import EngineFailed
 
 IDLE_POLL_MS = 1000
 MAX_MESSAGES_PER_TURN = 256
