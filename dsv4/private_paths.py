@@ -99,12 +99,14 @@ def cache_home() -> Path:
     return Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
 
 
-def ensure_private_cache(d: Path, *, what: str) -> Path:
-    """`d` (a cache directory, `cache_home() / "dsv4" / NAME` or one a variable names) and its
-    parent created 0700 and checked private, and every directory above it trusted
-    (`check_private_dir`, `check_trusted_chain`); raises OSError or PathError."""
+def ensure_private_cache(d: Path, *, what: str, parent: bool = True) -> Path:
+    """`d` (a cache directory, `cache_home() / "dsv4" / NAME` or one a variable names) and,
+    with `parent` (dsv4's own directory above it; not for a directory the user named, which
+    may sit in a shared /tmp), its parent created 0700 and checked private, and every
+    directory above it trusted (`check_private_dir`, `check_trusted_chain`); raises OSError
+    or PathError."""
     d.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for p in (d.parent, d):
+    for p in (d.parent, d) if parent else (d,):
         check_private_dir(p, create=True, what=what, hint="remove it or set XDG_CACHE_HOME")
     check_trusted_chain(d, what=what, hint="set XDG_CACHE_HOME to a directory only you control")
     return d

@@ -40,13 +40,14 @@ def cache_dir() -> Path | None:
     own = os.environ.get("DSV4_CALIBRATION_DIR", "")
     d = Path(own) if own and os.path.isabs(own) else cache_home() / "dsv4" / "calibration"
     try:
-        return ensure_private_cache(d, what="calibration cache")
+        return ensure_private_cache(d, what="calibration cache", parent=not (own and os.path.isabs(own)))
     except (OSError, PathError):
         return None
 
 
 def _version() -> str:
-    """dsv4's installed version (read without importing the package's top, which imports the engine)."""
+    """dsv4's installed version (`import dsv4` from here would close an import cycle: the
+    package's top imports the engine lazily, which the import test counts)."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
