@@ -13,8 +13,7 @@ KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "up
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
          "memory_rss_bytes", "compiled", "compiled_buckets", "compile_building", "max_model_len", "preemptions",
          "blocks", "block_size", "free_blocks", "cached_blocks", "prefix_cache_queries", "prefix_cache_hits",
-         "prefix_cache_hit_rate", "model_id", "revision", "data_parallel_size", "replicas", "routing",
-         "steps", "prefill_tokens", "decode_tokens", "busy_s", "completion_tokens"}
+         "prefix_cache_hit_rate", "model_id", "revision", "data_parallel_size", "replicas", "routing"}
 
 
 def _bytes(n: Any) -> str:

@@ -291,9 +291,9 @@ class Admission:
              prompt: str | list[int], grammar: Any = None) -> None:
         """Hand one request to the engine (with its compiled grammar, if structured) and start tracking it."""
         if req.strict_length:
-            refusal = _length_refusal(self.engine, prompt, params)
-            if refusal:
-                self.server.send(client, P.error(req.id, P.ERR_BAD_REQUEST, refusal))
+            why = _length_refusal(self.engine, prompt, params)
+            if why:
+                self.server.send(client, P.error(req.id, P.ERR_BAD_REQUEST, why))
                 return
         try:
             # fair shares between connections, and between the end clients one connection names

@@ -26,7 +26,6 @@ class ServedEngine(Protocol):
     rank_weight_bytes: list[int]  # per rank, when there are several
     quant_note: str  # a banner line on the quantised paths ("" for none)
     compile_note: str  # a banner line on compiled buckets ("" when not compiling)
-    policy: Any  # the auto-K policy, None when K is fixed
     calibration_note: str  # the banner's line on the auto-K step costs (timed, or from the cache)
 
     def make_params(self, fields: dict[str, Any]) -> Any:

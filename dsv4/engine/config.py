@@ -141,7 +141,7 @@ class EngineConfig:
         check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None, self.master_port)
         if self.threads is None:  # one fewer than the cores; a replica's rank: its share of them
             n = self.data_parallel_size
-            set_("threads", default_threads() if n == 1 else replica_threads(n * self.tensor_parallel_size))
+            set_("threads", default_threads(None if n == 1 else n * self.tensor_parallel_size))
         set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
                                                  tensor_parallel_size=self.tensor_parallel_size))
         official = self.planning and not any(Path(self.model).glob("*.safetensors"))
@@ -373,10 +373,12 @@ GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty
 MAX_DEFAULT_THREADS = 16
 
 
-def default_threads() -> int:
+def default_threads(share: int | None = None) -> int:
     """$OMP_NUM_THREADS when set, else one fewer than the CPUs this process may run on (its
     affinity mask, so a container's or taskset's limit counts), at least 1 and at most
-    MAX_DEFAULT_THREADS.
+    MAX_DEFAULT_THREADS. With `share`: each of that many processes' part of the CPUs (the
+    ranks of engine replicas, --data-parallel-size x --tensor-parallel-size, each replica
+    pinned to its share: `replicas.cores.cores_of`).
 
     Why one fewer: an OpenMP team meets at the end of each of the hundreds of parallel regions
     of a step, and its threads wait there by spinning (libgomp, torch's runtime on x86 Linux:
@@ -391,17 +393,8 @@ def default_threads() -> int:
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
-    return max(1, min(usable_cpus() - 1, MAX_DEFAULT_THREADS))
-
-
-def replica_threads(ranks: int) -> int:
-    """Threads of each of `ranks` processes of engine replicas (--data-parallel-size, times
-    --tensor-parallel-size): its share of the cores its replica is pinned to
-    (`replicas.pool.cores_of`); $OMP_NUM_THREADS when set."""
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    return max(1, min(usable_cpus() // ranks, MAX_DEFAULT_THREADS))
+    cpus = usable_cpus()
+    return max(1, min(cpus - 1 if share is None else cpus // share, MAX_DEFAULT_THREADS))
 
 
 def load_threads(threads: int, ranks_here: int) -> int:

@@ -59,14 +59,14 @@ class Engine(RequestFront):
     """DeepSeek V4 with chunked prefill and MTP speculative decoding, for many requests."""
 
     def __init__(self, config: EngineConfig, *, progress: Callable[[int, int], None] | None = None):
+        if config.data_parallel_size > 1:
+            raise EngineConfigError(f"--data-parallel-size {config.data_parallel_size}: replicas run behind "
+                                    f"'dsv4 serve' (replicas.pool.EnginePool); one Engine is one replica")
         self._init_front(config)  # default sampling, tokenizer, text limit (front.py)
         self.device = torch.device(config.device)
         torch.set_num_threads(config.threads)
         torch.manual_seed(config.seed)  # unseeded sampling draws from the global RNG
         T = config.tensor_parallel_size
-        if config.data_parallel_size > 1:
-            raise EngineConfigError(f"--data-parallel-size {config.data_parallel_size}: replicas run behind "
-                                    f"'dsv4 serve' (replicas.pool.EnginePool); one Engine is one replica")
         if config.node_rank > 0:
             raise RankError(f"--node-rank {config.node_rank}: the ranks of another host run under "
                             f"'dsv4 serve' (ranks.serve_node); only node 0 has an engine")
@@ -345,16 +345,21 @@ class Engine(RequestFront):
                             + self.config.kv_cache_memory),
             "max_model_len": self.config.max_model_len,
             "grammars": self.grammars.status(),
-            **self.counters(),
+            **self._queue(),
             "totals": self.metrics.to_dict(),
         }
 
+    def _queue(self) -> dict[str, Any]:
+        """The queue, the block pool and the prefix cache, now."""
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
+                **s.kv.stats()}
+
     def counters(self) -> dict[str, Any]:
         """What changes step by step, cheaply (no sorting; safe to read from another thread
-        while a step runs): the queue, the block pool and prefix cache, steps and tokens."""
-        s, m = self.scheduler, self.metrics
-        return {"running": len(s.running), "waiting": len(s.waiting), "preemptions": s.num_preemptions,
-                **s.kv.stats(), "steps": m.num_steps, "prefill_tokens": m.num_prefill_tokens,
+        while a step runs): `_queue`, steps and tokens (a replica's beat)."""
+        m = self.metrics
+        return {**self._queue(), "steps": m.num_steps, "prefill_tokens": m.num_prefill_tokens,
                 "decode_tokens": m.num_decode_tokens, "busy_s": m.busy_s, "completion_tokens": m.completion_tokens}
 
     def close(self) -> None:

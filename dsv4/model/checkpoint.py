@@ -111,6 +111,8 @@ class Checkpoint:
         for file in sorted({e.file for e in self.entries.values()}):
             names = [n for n, e in self.entries.items() if e.file == file and n in self.plan
                      and n not in skip and (layout is None or layout.holds(n))]
+            if not names:  # every tensor of this shard mapped or not this rank's: its header is not read again
+                continue
             with _open(file) as f:
                 for name in names:
                     kind = self.plan[name]

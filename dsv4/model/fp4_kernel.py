@@ -49,9 +49,9 @@ class BuildError(RuntimeError):
 # ----------------------------------------------------------------------------- build and load
 def cache_root() -> Path:
     """$XDG_CACHE_HOME/dsv4/ext (else ~/.cache/dsv4/ext): private per-user build outputs."""
-    base = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(base) if base and os.path.isabs(base) else Path.home() / ".cache"
-    return root / "dsv4" / "ext"
+    from dsv4.private_paths import cache_home
+
+    return cache_home() / "dsv4" / "ext"
 
 
 def build_dir() -> Path:

@@ -9,6 +9,7 @@ where a group lies back to back in one file (`loader._fused_source`, `dsv4 conve
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -109,10 +110,7 @@ def sourced(source: Source | None, owner: nn.Module, prefix: str, mods: list[nn.
         parts = [getattr(m, attr) for m in mods]
         shape = (sum(p.shape[0] for p in parts), *parts[0].shape[1:])
     names = {id(m): n for n, m in owner.named_modules()}
-    numel = 1
-    for d in shape:
-        numel *= d
-    flat = source([f"{prefix}{names[id(m)]}.{attr}" for m in mods], first.dtype, numel)
+    flat = source([f"{prefix}{names[id(m)]}.{attr}" for m in mods], first.dtype, math.prod(shape))
     return None if flat is None else flat.view(shape)
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dsv4.engine.checks import usable_cpus
 from dsv4.engine.errors import EngineFailed
 from dsv4.model import parallel
 from dsv4.engine.parallel import step_plan as plan
@@ -71,8 +72,6 @@ def _local_device(config: Any, rank: int) -> str:
     if dev != "cpu":
         getattr(torch, dev.partition(":")[0]).set_device(dev)
     else:  # the CPUs this process may use (a replica's share, a taskset), not the machine's
-        from dsv4.engine.checks import usable_cpus
-
         torch.set_num_threads(max(1, usable_cpus() // per_host))
     return dev
 

@@ -108,20 +108,18 @@ class EnginePool(RequestFront):
     """N replicas of the engine `config` describes (config.data_parallel_size)."""
 
     ranks = None  # no tensor-parallel ranks of its own (a replica may have some)
-    policy = None  # auto K is each replica's own
-    compile_note = ""
 
-    def __init__(self, config: EngineConfig, *, progress: Any = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self._init_front(config)
         self.started = time.time()
         n = config.data_parallel_size
         self.timeout_s = replica_timeout_s()
         self._ctx = mp.get_context("spawn")
         self.replicas = [_Replica(i, cores) for i, cores in enumerate(cores_of(n))]
-        positions = config.kv_cache_blocks * config.block_size
+        self.positions = config.kv_cache_blocks * config.block_size  # what one replica's pool holds
         root = hashlib.blake2b(f"{config.model}|{config.dtype}|{config.quantization}".encode(), digest_size=16)
         try:
-            self.router = Router(n, [positions // PIECE_TOKENS] * n, root.digest(), slack=config.max_num_seqs,
+            self.router = Router(n, [self.positions // PIECE_TOKENS] * n, root.digest(), slack=config.max_num_seqs,
                                  mode=os.environ.get("DSV4_ROUTING", "prefix").strip() or "prefix")
         except ValueError as e:
             raise ReplicaError(f"DSV4_ROUTING: {e}") from None
@@ -141,7 +139,7 @@ class EnginePool(RequestFront):
         first = self.replicas[0].facts
         self.weight_bytes = first["weight_bytes"]
         self.rank_weight_bytes = list(first["status"].get("rank_weight_bytes") or [self.weight_bytes])
-        self.quant_note = first["quant_note"]
+        self.quant_note, self.compile_note = first["quant_note"], first["compile_note"]
         self.calibration_note = first["calibration_note"]
 
     # ------------------------------------------------------------------ replicas
@@ -242,12 +240,15 @@ class EnginePool(RequestFront):
             self._spawn(r)
         for rid in orphans:
             sent = self.sent.pop(rid)
-            if resend and not sent.streamed and not sent.resent and self._loads() != [None] * len(self.replicas):
+            if resend and not sent.streamed and not sent.resent and self._serving():
                 self._send(rid, sent.add, resent=True)  # nothing streamed yet: another replica runs it
             else:
                 self._done.append(RequestOutput(rid, finished=True, finish_reason=FINISH_ERROR, error=(
                     f"engine replica {r.index} (pid {pid}) {why}; this request failed with it, the other "
                     f"replicas go on serving")))
+
+    def _serving(self) -> bool:
+        return any(r.state == "serving" for r in self.replicas)
 
     def _loads(self) -> list[int | None]:
         return [len(r.requests) if r.state == "serving" else None for r in self.replicas]
@@ -255,14 +256,12 @@ class EnginePool(RequestFront):
     def _send(self, rid: str, add: tuple, follows: str | None = None, resent: bool = False) -> None:
         """Route one request (`add`: its message to a replica) and queue it for that replica."""
         _, _, ids, params, kw, _ = add
-        data = pickle.dumps(add)  # here: a message that cannot go fails add_request, before any bookkeeping
         leader = self.sent.get(follows) if follows else None
         loads = self._loads()
-        if leader is not None and loads[leader.replica] is not None:
-            i = leader.replica  # a sibling sample: after its leader's prefill, on the same replica
-            data = pickle.dumps(add[:4] + ({**kw, "follows": follows},) + add[5:])
-        else:
-            i = self.router.route(ids, params.cache_salt, loads)[0]
+        sibling = leader is not None and loads[leader.replica] is not None  # after its leader's prefill, there
+        message = add[:4] + ({**kw, "follows": follows},) + add[5:] if sibling else add
+        data = pickle.dumps(message)  # here: a message that cannot go fails add_request, before any bookkeeping
+        i = leader.replica if sibling else self.router.route(ids, params.cache_salt, loads)[0]
         self.sent[rid] = _Sent(i, add, resent=resent)
         self.replicas[i].requests.add(rid)
         self.replicas[i].outbox.put(data)
@@ -283,9 +282,8 @@ class EnginePool(RequestFront):
         ids = self.prompt_ids(prompt, params, prompt_mode=prompt_mode, system=system, thinking=thinking, tools=tools)
         self._ids += 1
         rid = str(request_id) if request_id is not None else f"req-{self._ids}"
-        check_prompt(ids, params, self.config.model_config.vocab_size, self.config.max_model_len,
-                     self.config.kv_cache_blocks * self.config.block_size)
-        if all(n is None for n in self._loads()):
+        check_prompt(ids, params, self.config.model_config.vocab_size, self.config.max_model_len, self.positions)
+        if not self._serving():
             raise RequestBusy("no engine replica is serving: they are starting again; try again shortly")
         spec = grammar.spec if isinstance(grammar, _Spec) else params.structured
         self._send(rid, ("add", rid, ids, params, {"client": client}, spec), follows)

@@ -71,9 +71,9 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
         link.send(("failed", f"{type(e).__name__}: {lines[0] if lines else ''}"))
         return
     try:
-        link.send(("ready", {"pid": os.getpid(), "cores": cores, "weight_bytes": engine.weight_bytes,
-                             "quant_note": engine.quant_note, "compile_note": engine.compile_note,
-                             "calibration_note": engine.calibration_note, "status": engine.status()}))
+        link.send(("ready", {"weight_bytes": engine.weight_bytes, "quant_note": engine.quant_note,
+                             "compile_note": engine.compile_note, "calibration_note": engine.calibration_note,
+                             "status": engine.status()}))
         stop = threading.Event()
         threading.Thread(target=_beat, args=(engine, link, stop), name="dsv4-replica-beat", daemon=True).start()
         _serve(engine, link)
@@ -145,9 +145,8 @@ def _add(engine: Any, rid: str, ids: list[int], params: Any, kw: dict[str, Any],
 def _refused(rid: str, error: BaseException) -> list[Any]:
     from dsv4.engine.request import FINISH_ERROR, RequestError, RequestOutput
 
-    if not isinstance(error, RequestError):
-        traceback.print_exception(error)
-
     refused = isinstance(error, RequestError)  # else a bug: the request fails as "error" (HTTP 500)
+    if not refused:
+        traceback.print_exception(error)
     return [RequestOutput(rid, finished=True, finish_reason=FINISH_ERROR, error=str(error) or type(error).__name__,
                           refusal=error if refused else None)]
