@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsv4.model import parallel
 from dsv4.model.state import Batch
 from dsv4.engine.spec.drafting import propose
 from dsv4.engine.params import SamplingParams
@@ -102,8 +103,9 @@ def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: i
                 times["verify" if mtp else "alone"].append(t_draft - t)
                 if mtp:
                     times["draft"].append(time.perf_counter() - t_draft)
-            else:
-                runs = 1 + _timed_runs(time.perf_counter() - t, repeats)
+            else:  # every rank makes as many runs (each runs collectives): the slowest warm-up decides
+                warm = parallel.all_reduce_max(torch.tensor([time.perf_counter() - t], device=dev))
+                runs = 1 + _timed_runs(float(warm[0]), repeats)
             rep += 1
     pol.verify.calibrate(b * n, _typical(times["alone"] or times["verify"]))
     if runner.model.has_mtp:
