@@ -69,7 +69,9 @@ def serve(
     long_prefill_token_threshold: O.LongPrefill = None, enable_chunked_prefill: O.Chunked = None,
     num_speculative_tokens: O.NumSpec = None, seed: O.EngineSeed = None, profile: O.Profile = None,
     threads: O.Threads = None, quantization: O.Quantization = None, tensor_parallel_size: O.TensorParallel = None,
-    data_parallel_size: O.DataParallel = None, compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
+    data_parallel_size: O.DataParallel = None, data_parallel_size_local: O.DataParallelLocal = None,
+    data_parallel_address: O.DataParallelAddress = None, data_parallel_rpc_port: O.DataParallelRpcPort = None,
+    data_parallel_rank: O.DataParallelRank = None, compile: O.Compile = None, kv_cache_memory: O.KvCacheMemory = None,
     enable_prefix_caching: O.PrefixCaching = None, draft_vocab: O.DraftVocab = None, revision: O.Revision = None,
     grammar_compile_timeout: O.GrammarTimeout = None, nnodes: O.NNodes = None, node_rank: O.NodeRank = None,
     master_addr: O.MasterAddr = None,
@@ -91,8 +93,19 @@ def serve(
                          kv_cache_memory=kv_cache_memory, enable_prefix_caching=enable_prefix_caching,
                          draft_vocab=draft_vocab, revision=revision, grammar_compile_timeout=grammar_compile_timeout,
                          tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
+                         data_parallel_size_local=data_parallel_size_local, data_parallel_address=data_parallel_address,
+                         data_parallel_rpc_port=data_parallel_rpc_port, data_parallel_rank=data_parallel_rank,
                          nnodes=nnodes, node_rank=node_rank, master_addr=master_addr, master_port=master_port,
                          rendezvous_timeout=rendezvous_timeout)
+    if data_parallel_address is not None and not api_key:
+        raise CliError("--data-parallel-address: replicas of other hosts prove a shared key when they join; set "
+                       "DSV4_API_KEY (or --api-key) to the same secret on every host", O.EXIT_USAGE)
+    if data_parallel_rank and http is not None:
+        raise CliError("--http with --data-parallel-rank: clients talk to node 0's daemon; a joining replica "
+                       "serves none itself", O.EXIT_USAGE)
+    if detach and data_parallel_rank:
+        raise CliError("--detach with --data-parallel-rank: a joining replica has no socket to detach to; run it "
+                       "in the foreground (or under a service manager)", O.EXIT_USAGE)
     if detach and O.under_torchrun():
         raise CliError("--detach cannot be used under torchrun (it supervises the ranks); serve in the foreground",
                        O.EXIT_USAGE)

@@ -196,6 +196,20 @@ DataParallel = Annotated[Optional[int], typer.Option(
     help="Run N engine replicas behind the daemon, each a process pinned to its share of the cores "
          "(--threads is per replica); requests go to the replica holding the longest prefix of their prompt, "
          "else the least loaded [default: 1]")]
+DataParallelLocal = Annotated[Optional[int], typer.Option(
+    "--data-parallel-size-local", metavar="N", rich_help_panel=ENGINE_PANEL,
+    help="Replicas node 0 runs itself when others join from other hosts "
+         "[default: --data-parallel-size; 1 with --data-parallel-address]")]
+DataParallelAddress = Annotated[Optional[str], typer.Option(
+    "--data-parallel-address", metavar="ADDR", rich_help_panel=ENGINE_PANEL,
+    help="Node 0's address, where replicas of other hosts join (the same on every host; each host needs "
+         "the same DSV4_API_KEY)")]
+DataParallelRpcPort = Annotated[Optional[int], typer.Option(
+    "--data-parallel-rpc-port", metavar="PORT", rich_help_panel=ENGINE_PANEL,
+    help="Free TCP port on node 0 where replicas of other hosts join")]
+DataParallelRank = Annotated[Optional[int], typer.Option(
+    "--data-parallel-rank", metavar="R", rich_help_panel=ENGINE_PANEL,
+    help="On another host: be replica R (1..N-1) of node 0's daemon; binds nothing [default: 0]")]
 NNodes = Annotated[Optional[int], typer.Option(
     "--nnodes", metavar="N", rich_help_panel=ENGINE_PANEL,
     help="Hosts the T ranks span (the same serve command on each, T / N ranks per host) [default: 1]")]
@@ -223,7 +237,10 @@ ENGINE_FLAGS = {
     "long_prefill_token_threshold": "--long-prefill-token-threshold",
     "enable_chunked_prefill": "--enable-chunked-prefill", "num_speculative_tokens": "--num-speculative-tokens",
     "seed": "--seed", "profile_dir": "--profile", "threads": "--threads", "quantization": "--quantization",
-    "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size", "nnodes": "--nnodes", "node_rank": "--node-rank",
+    "tensor_parallel_size": "--tensor-parallel-size", "data_parallel_size": "--data-parallel-size",
+    "data_parallel_size_local": "--data-parallel-size-local", "data_parallel_address": "--data-parallel-address",
+    "data_parallel_rpc_port": "--data-parallel-rpc-port", "data_parallel_rank": "--data-parallel-rank",
+    "nnodes": "--nnodes", "node_rank": "--node-rank",
     "master_addr": "--master-addr", "master_port": "--master-port", "rendezvous_timeout": "--rendezvous-timeout",
     "compile": "--compile", "kv_cache_memory": "--kv-cache-memory", "enable_prefix_caching": "--enable-prefix-caching",
     "draft_vocab": "--draft-vocab", "revision": "--revision", "grammar_compile_timeout": "--grammar-compile-timeout",

@@ -75,11 +75,13 @@ def _replicas(st: dict[str, Any]) -> list[tuple[str, str]]:
     for r in reps:
         routed = r.get("routed") or {}
         lines.append((f"replica {r.get('index')}",
-                      f"{r.get('state')}, pid {r.get('pid')}, cores {','.join(map(str, r.get('cores') or []))}; "
+                      f"{r.get('state')}, " + (f"on {r['host']}, " if r.get("host") else "")
+                      + f"pid {r.get('pid')}, cores {','.join(map(str, r.get('cores') or []))}; "
                       f"{r.get('running', 0)} running, {r.get('waiting', 0)} waiting, {r.get('in_flight', 0)} in "
                       f"flight; {sum(routed.values())} routed ({routed.get('prefix', 0)} by prefix); prefix cache "
                       f"hit {_pct(r.get('prefix_cache_hit_rate'))}; {r.get('output_tokens', 0)} tokens generated"
-                      + (f"; restarted {r['restarts']} time(s), last: {r.get('error')}" if r.get("restarts") else "")))
+                      + (f"; restarted {r['restarts']} time(s), last: {r.get('error')}" if r.get("restarts") else "")
+                      + (f"; last: {r.get('error')}" if r.get("error") and not r.get("restarts") else "")))
     return lines
 
 

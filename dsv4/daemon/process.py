@@ -171,8 +171,9 @@ class ProgressBar:
             self._started = False
 
 
-def load_engine(config: Any) -> Any:
-    """Build the engine (loads the weights) with a progress bar on a terminal."""
+def load_engine(config: Any, api_key: str | None = None) -> Any:
+    """Build the engine (loads the weights) with a progress bar on a terminal; `api_key`:
+    the secret replicas of other hosts prove when they join (--data-parallel-address)."""
     from dsv4.engine.engine import Engine
 
     if config.data_parallel_size > 1:  # the replicas load in their own processes, side by side
@@ -180,7 +181,7 @@ def load_engine(config: Any) -> Any:
 
         log.info("starting %d engine replicas (--data-parallel-size), %d thread(s) each", config.data_parallel_size,
                  config.threads)
-        return EnginePool(config)
+        return EnginePool(config, key=api_key)
     progress = ProgressBar("loading weights", "capturing decode buckets (--compile)")
     try:
         return Engine(config, progress=progress)
@@ -201,6 +202,12 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
     from dsv4.daemon.server import RANK_FAILURE, Server
 
     setup_logging()
+    if getattr(config, "data_parallel_rank", 0) > 0:  # a replica of another host's daemon: binds nothing
+        from dsv4.engine.replicas.remote import join
+
+        code = join(config, api_key or "")  # logs once it is welcomed: a refusal is its one line
+        logging.shutdown()
+        return code
     if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
         from dsv4.engine.parallel.ranks import serve_node
 
@@ -244,7 +251,7 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
             ctx = zmq.Context()
             http.start(ctx, config)
         t0 = time.monotonic()
-        engine = load_engine(config)
+        engine = load_engine(config, api_key)
         model_name = config.served_model_name
         log.info("dsv4 %s: model %s loaded in %.1f s", __version__, config.model, time.monotonic() - t0)
         for line in config.banner_lines():

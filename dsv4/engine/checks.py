@@ -86,19 +86,59 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def check_data_parallel(n: Any, threads: Any, planning: bool = False) -> None:
-    """--data-parallel-size: at least one core per engine, and --threads (per engine) times
-    the engines within the cores (not checked when `planning` for another machine)."""
-    check_int("--data-parallel-size", n, minimum=1)
+def check_data_parallel(n: Any, threads: Any, planning: bool = False, flag: str = "--data-parallel-size") -> None:
+    """`flag` (the engines on this host): at least one core per engine, and --threads (per
+    engine) times the engines within the cores (not checked when `planning` for another machine)."""
+    check_int(flag, n, minimum=1)
     if planning:
         return
     cpus = usable_cpus()
     if n > cpus:
-        raise EngineConfigError(f"--data-parallel-size {n} needs a core per engine; this process may run on "
-                                f"{cpus} CPUs; use --data-parallel-size {cpus} or less")
+        raise EngineConfigError(f"{flag} {n} needs a core per engine; this process may run on "
+                                f"{cpus} CPUs; use {flag} {cpus} or less")
     if n > 1 and isinstance(threads, int) and not isinstance(threads, bool) and threads * n > cpus:
-        raise EngineConfigError(f"--data-parallel-size {n} x --threads {threads} (per engine) = {threads * n} "
+        raise EngineConfigError(f"{flag} {n} x --threads {threads} (per engine) = {threads * n} "
                                 f"threads over {cpus} CPUs; use --threads {max(1, cpus // n)} or fewer engines")
+
+
+def check_data_parallel_hosts(n: Any, local: Any, address: Any, port: Any, rank: Any) -> int:
+    """--data-parallel-size-local / -address / -rpc-port / -rank (replicas on other hosts,
+    `replicas/remote.py`); returns the replicas this process runs (or, joining, is)."""
+    check_int("--data-parallel-size", n, minimum=1)
+    check_int("--data-parallel-rank", rank, minimum=0)
+    if local is not None:
+        check_int("--data-parallel-size-local", local, minimum=1)
+    if address is None:
+        for flag, given in (("--data-parallel-rpc-port", port is not None), ("--data-parallel-rank", rank > 0),
+                            ("--data-parallel-size-local", local is not None and local != n)):
+            if given:
+                raise EngineConfigError(f"{flag} needs --data-parallel-address (node 0's address, where replicas "
+                                        f"of other hosts join)")
+        return n
+    if not isinstance(address, str) or not address.strip():
+        raise EngineConfigError(f"--data-parallel-address must be a host name or address, got {address!r}")
+    if n < 2:
+        raise EngineConfigError(f"--data-parallel-address with --data-parallel-size {n}: no replica can join; "
+                                f"give the total number of replicas over every host")
+    if port is None:
+        raise EngineConfigError("--data-parallel-address needs --data-parallel-rpc-port (a free port on node 0)")
+    check_int("--data-parallel-rpc-port", port, minimum=1)
+    if port > 65535:
+        raise EngineConfigError(f"--data-parallel-rpc-port {port} is not a TCP port (1..65535)")
+    if rank >= n:
+        raise EngineConfigError(f"--data-parallel-rank {rank} is out of range for --data-parallel-size {n} "
+                                f"(use 1..{n - 1} on a joining host)")
+    if rank > 0:
+        if local is not None and local != 1:
+            raise EngineConfigError(f"--data-parallel-size-local {local} with --data-parallel-rank {rank}: a "
+                                    f"joining process is one replica; start one per replica (ranks {rank}, "
+                                    f"{rank + 1}, ...)")
+        return 1
+    local = 1 if local is None else local
+    if local >= n:
+        raise EngineConfigError(f"--data-parallel-size-local {local} of --data-parallel-size {n}: no replica "
+                                f"joins; leave out --data-parallel-address, or run fewer here")
+    return local
 
 
 def check_replicas(n: int, device: str, hosts: int, torchrun: bool, master_port: Any = None) -> None:

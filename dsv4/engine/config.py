@@ -26,7 +26,7 @@ from dsv4 import draft_vocab
 
 from dsv4.engine.checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
-                     weight_names, check_data_parallel, check_replicas, usable_cpus)
+                     weight_names, check_data_parallel, check_data_parallel_hosts, check_replicas, usable_cpus)
 from dsv4.engine.parallel.launch import Launch, resolve_tensor_parallel, resolve_transport, torchrun_launch
 
 QUANTIZATION_LINES = {  # the banner's words for each --quantization
@@ -64,6 +64,10 @@ class EngineConfig:
     quantization: str | None = None
     tensor_parallel_size: int | None = None  # built: WORLD_SIZE under torchrun, else 1 unless given
     data_parallel_size: int = 1  # engine replicas behind one daemon (serve), each on its own cores
+    data_parallel_size_local: int | None = None  # built: the replicas on this host (N unless others join)
+    data_parallel_address: str | None = None  # node 0's address, where replicas of other hosts join
+    data_parallel_rpc_port: int | None = None
+    data_parallel_rank: int = 0  # > 0: this process is that replica, joining node 0's daemon
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str | None = None
@@ -116,7 +120,11 @@ class EngineConfig:
             raise EngineConfigError(f"--compile must be true, false or auto, got {self.compile!r}")
         if self.profile_dir is not None:
             set_("profile_dir", check_profile_dir(self.profile_dir))
-        check_data_parallel(self.data_parallel_size, self.threads, self.planning)
+        set_("data_parallel_size_local", check_data_parallel_hosts(
+            self.data_parallel_size, self.data_parallel_size_local, self.data_parallel_address,
+            self.data_parallel_rpc_port, self.data_parallel_rank))
+        check_data_parallel(self.data_parallel_size_local, self.threads, self.planning,
+                            "--data-parallel-size" if self.data_parallel_address is None else "--data-parallel-size-local")
         if self.threads is not None:
             check_int("--threads", self.threads, minimum=1)
         t = self.grammar_compile_timeout
@@ -140,7 +148,7 @@ class EngineConfig:
                     self.rendezvous_timeout)
         check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None, self.master_port)
         if self.threads is None:  # one fewer than the cores; a replica's rank: its share of them
-            n = self.data_parallel_size
+            n = self.data_parallel_size_local
             set_("threads", default_threads(None if n == 1 else n * self.tensor_parallel_size))
         set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
                                                  tensor_parallel_size=self.tensor_parallel_size))

@@ -100,14 +100,14 @@ class Daemon:
     """`dsv4 serve` in the foreground as a subprocess, with its log captured to a file."""
 
     def __init__(self, model: Path, *args: str, directory: Path | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> None:
         self.dir = directory or short_dir()
         self.socket = self.dir / "d.sock"
         self.endpoint = f"ipc://{self.socket}"
         self.pid_file = Path(f"{self.socket}.pid")
         self.log = self.dir / "serve.log"
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([*CMD, "serve", "--model", str(model), "--socket", self.endpoint, *args],
+            self.proc = subprocess.Popen([*prefix, *CMD, "serve", "--model", str(model), "--socket", self.endpoint, *args],
                                          stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env or env_for())
 
     def wait_ready(self, timeout: float = 90) -> "Daemon":

@@ -1,6 +1,6 @@
 """`serve --data-parallel-size N`: N engine replicas behind the one daemon, as one `ServedEngine`.
 
-    pool = EnginePool(config)              # spawns N replica processes (worker.py), waits until all loaded
+    pool = EnginePool(config, key)         # spawns the replicas (worker.py), waits until all loaded
     pool.add_request(ids, params, ...)     # routed (router.py): longest prefix held, else least loaded
     outs = pool.step()                     # what the replicas streamed meanwhile (waits up to STEP_WAIT_S)
 
@@ -16,7 +16,9 @@ a live one beats every 0.5 s, also during a long step), is killed and started ag
 MAX_RESTARTS times. Killed or frozen: its requests that have streamed nothing run on another
 replica (once); crashed (a step raised): its requests fail, as one engine's would. A request
 that fails finishes with finish_reason "error" and a line naming the replica. With no replica
-left, `step()` raises `ReplicaError` and the daemon exits non-zero.
+left, `step()` raises `ReplicaError` and the daemon exits non-zero. Replicas of other hosts
+(--data-parallel-address, remote.py) join at the pool's desk instead of being spawned; one
+that is lost is not restarted from here: its place waits until it joins again.
 """
 
 from __future__ import annotations
@@ -27,10 +29,9 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
-import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -39,8 +40,10 @@ from dsv4.engine.errors import EngineFailed, RequestBusy
 from dsv4.engine.front import RequestFront
 from dsv4.engine.metrics import EngineMetrics, RequestMetrics
 from dsv4.engine.replicas.cores import cores_of, span
+from dsv4.engine.replicas.remote import JoinDesk, differs, identity
 from dsv4.engine.replicas.router import PIECE_TOKENS, Router
-from dsv4.engine.replicas.worker import replica_main
+from dsv4.engine.replicas.slot import Replica, Sent
+from dsv4.engine.replicas.worker import replica_config, replica_main
 from dsv4.engine.request import FINISH_ERROR, RequestOutput
 from dsv4.engine.scheduler import check_prompt
 
@@ -63,31 +66,6 @@ def replica_timeout_s() -> float:
     return float(text) if text else 60.0
 
 
-@dataclass
-class _Replica:
-    index: int
-    cores: list[int]
-    proc: Any = None
-    conn: Any = None
-    outbox: "queue.Queue[bytes | None]" = field(default_factory=queue.Queue)  # its sender thread's
-    state: str = "starting"  # starting, serving, dead (restarts used up), stopped
-    restarts: int = 0
-    heard: float = 0.0  # when it last spoke (time.monotonic)
-    requests: set[str] = field(default_factory=set)
-    counters: dict[str, Any] = field(default_factory=dict)  # its latest beat (`Engine.counters`)
-    facts: dict[str, Any] = field(default_factory=dict)  # what it said once loaded
-    crash: str = ""  # what it said before exiting (a start failure, a step that raised)
-    error: str = ""  # why it last died (status)
-
-
-@dataclass
-class _Sent:
-    replica: int
-    add: tuple  # the message that queued it, kept to send it elsewhere if its replica is lost
-    streamed: bool = False
-    resent: bool = False  # at most once
-
-
 class _Spec:
     """A structured request's grammar spec, compiled by the replica it goes to."""
 
@@ -95,27 +73,27 @@ class _Spec:
         self.spec = spec
 
 
-def _sender(conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
-    """Send what the pool queued for one replica, in order, until None or the pipe breaks."""
-    while (data := outbox.get()) is not None:
-        try:
-            conn.send_bytes(data)
-        except (OSError, ValueError):
-            return  # it died: the pool's next pump finds out
-
-
 class EnginePool(RequestFront):
     """N replicas of the engine `config` describes (config.data_parallel_size)."""
 
     ranks = None  # no tensor-parallel ranks of its own (a replica may have some)
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, key: str | None = None) -> None:
         self._init_front(config)
         self.started = time.time()
-        n = config.data_parallel_size
+        n, here = config.data_parallel_size, config.data_parallel_size_local
         self.timeout_s = replica_timeout_s()
         self._ctx = mp.get_context("spawn")
-        self.replicas = [_Replica(i, cores) for i, cores in enumerate(cores_of(n))]
+        self.replicas = [Replica(i, cores) for i, cores in enumerate(cores_of(here))]
+        self.replicas += [Replica(i, [], remote=True, state="away") for i in range(here, n)]
+        self.desk: JoinDesk | None = None
+        if here < n:  # the others join from their hosts: listen before anything loads
+            try:
+                self.desk = JoinDesk(config.data_parallel_address, config.data_parallel_rpc_port, key or "")
+            except OSError as e:
+                raise ReplicaError(str(e)) from None
+            self.identity = identity(config)
+            log.info("waiting for engine replicas %s to join at %s", span(list(range(here, n))), self.desk.where)
         self.positions = config.kv_cache_blocks * config.block_size  # what one replica's pool holds
         root = hashlib.blake2b(f"{config.model}|{config.dtype}|{config.quantization}".encode(), digest_size=16)
         try:
@@ -123,13 +101,14 @@ class EnginePool(RequestFront):
                                  mode=os.environ.get("DSV4_ROUTING", "prefix").strip() or "prefix")
         except ValueError as e:
             raise ReplicaError(f"DSV4_ROUTING: {e}") from None
-        self.sent: dict[str, _Sent] = {}
+        self.sent: dict[str, Sent] = {}
         self.metrics = EngineMetrics()  # over the requests the replicas finished, as they stream
         self._done: list[RequestOutput] = []  # outputs made here (failures), given by the next step
         self._up = self._closing = False  # _up: every replica started once; from then on a lost one restarts
         self._ids = 0
         for r in self.replicas:
-            self._spawn(r)
+            if not r.remote:
+                self._spawn(r)
         try:
             self._await_start()
         except BaseException:
@@ -143,33 +122,65 @@ class EnginePool(RequestFront):
         self.calibration_note = first["calibration_note"]
 
     # ------------------------------------------------------------------ replicas
-    def _config_of(self, r: _Replica) -> EngineConfig:
-        """Replica r's engine: one of them, its own seed (unseeded sampling differs between replicas)."""
-        return replace(self.config, data_parallel_size=1, seed=self.config.seed + r.index)
-
-    def _spawn(self, r: _Replica) -> None:
+    def _spawn(self, r: Replica) -> None:
         ours, theirs = self._ctx.Pipe()
-        r.proc = self._ctx.Process(target=replica_main, args=(r.index, self._config_of(r), r.cores, theirs),
+        r.proc = self._ctx.Process(target=replica_main, args=(r.index, replica_config(self.config, r.index), r.cores, theirs),
                                    name=f"dsv4-replica-{r.index}")  # not daemonic: it may spawn its ranks
         r.proc.start()
         theirs.close()
-        r.conn, r.outbox, r.state, r.heard, r.counters, r.crash = ours, queue.Queue(), "starting", time.monotonic(), {}, ""
-        threading.Thread(target=_sender, args=(ours, r.outbox), name=f"dsv4-replica-{r.index}-send",
-                         daemon=True).start()
+        r.pid = r.proc.pid
+        r.attach(ours)
+
+    def _admit(self) -> None:
+        """Take the replicas of other hosts that proved the key at the desk: welcome each into
+        its free place, or refuse it (another model or setting, a place taken) with one line."""
+        while self.desk is not None:
+            try:
+                conn, (_, index, theirs, facts), peer = self.desk.joined.get_nowait()
+            except queue.Empty:
+                return
+            r = self.replicas[index] if isinstance(index, int) and 0 <= index < len(self.replicas) else None
+            if r is None or not r.remote:
+                why = (f"--data-parallel-rank {index} is not a place for another host's replica (this daemon "
+                       f"runs replicas {span([x.index for x in self.replicas if not x.remote])} itself)")
+            else:  # what it is first: the place may free up, its model will not change
+                why = differs(self.identity, theirs) or (
+                    f"replica {index} is already {r.state} (from {r.host})" if r.state != "away" else "")
+            try:
+                conn.send(("refused", why) if why else ("welcome",))
+            except (OSError, ValueError):
+                why = why or "its connection broke"
+            if why:
+                log.warning("engine replica %s from %s refused: %s", index, peer, why)
+                conn.close()
+                continue
+            if r.error:  # joined again after it was lost
+                r.restarts += 1
+            r.host, r.pid = peer, facts.get("pid") if isinstance(facts, dict) else None
+            r.cores = list(facts.get("cores") or []) if isinstance(facts, dict) else []
+            r.attach(conn)
+            log.info("engine replica %d joined from %s (pid %s); loading", index, peer, r.pid)
 
     def _await_start(self) -> None:
-        """Until every replica has loaded; the first that fails fails the start."""
-        while any(r.state == "starting" for r in self.replicas):
+        """Until every replica has loaded (those of other hosts joined within --rendezvous-timeout);
+        the first that fails fails the start."""
+        deadline = time.monotonic() + self.config.rendezvous_timeout
+        while any(r.state != "serving" for r in self.replicas):
             self._pump(1.0)
             for r in self.replicas:
-                if r.state not in ("serving", "starting"):
+                if r.state not in ("serving", "starting", "away") or r.error:
                     raise ReplicaError(f"--data-parallel-size {len(self.replicas)}: engine replica {r.index} "
                                        f"could not start: {r.error}")
+                if r.state == "away" and time.monotonic() > deadline:
+                    raise ReplicaError(f"engine replica {r.index} did not join at {self.desk.where} within "
+                                       f"--rendezvous-timeout {self.config.rendezvous_timeout:g} s (start it there with "
+                                       f"'dsv4 serve --data-parallel-rank {r.index}' and the same flags)")
 
     def _pump(self, timeout: float) -> None:
         """Take what the replicas sent (waiting up to `timeout`), notice deaths and silences."""
+        self._admit()
         live = [r for r in self.replicas if r.state in ("starting", "serving")]
-        waits = {r.conn: r for r in live} | {r.proc.sentinel: r for r in live}
+        waits = {r.conn: r for r in live} | {r.proc.sentinel: r for r in live if not r.remote}
         for ready in wait(list(waits), timeout) if waits else []:
             r = waits[ready]
             if r.state in ("starting", "serving"):
@@ -177,22 +188,26 @@ class EnginePool(RequestFront):
         now = time.monotonic()
         for r in live:
             if r.state == "serving" and now - r.heard > self.timeout_s:
-                r.proc.kill()
-                r.proc.join(5)
-                self._lost(r, f"stopped answering for {now - r.heard:.0f} s (DSV4_REPLICA_TIMEOUT) and was killed",
-                           resend=True)
+                if not r.remote:
+                    r.proc.kill()
+                    r.proc.join(5)
+                self._lost(r, f"stopped answering for {now - r.heard:.0f} s (DSV4_REPLICA_TIMEOUT) and was "
+                              f"{'cut off' if r.remote else 'killed'}", resend=True)
 
-    def _drain(self, r: _Replica) -> None:
+    def _drain(self, r: Replica) -> None:
         try:
             while r.conn.poll():
                 self._take(r, r.conn.recv())
         except (EOFError, OSError):
+            if r.remote:  # its process ended, or its host is unreachable: it may join again
+                self._lost(r, r.crash or f"on {r.host}: its connection closed", resend=not r.crash)
+                return
             r.proc.join(5)
             code = r.proc.exitcode
             killed = code is not None and code < 0 and not r.crash  # a signal (the OOM killer, kill -9)
             self._lost(r, r.crash or f"exited with code {code}", resend=killed)
 
-    def _take(self, r: _Replica, msg: tuple) -> None:
+    def _take(self, r: Replica, msg: tuple) -> None:
         r.heard = time.monotonic()
         kind = msg[0]
         if kind == "beat":
@@ -202,11 +217,12 @@ class EnginePool(RequestFront):
                 self._output(r, out)
         elif kind == "ready":
             r.state, r.facts = "serving", msg[1]
-            log.info("engine replica %d serving (pid %d, cores %s)", r.index, r.proc.pid, span(r.cores))
+            log.info("engine replica %d serving (%spid %s, cores %s)", r.index, f"{r.host}, " if r.remote else "",
+                     r.pid, span(r.cores))
         elif kind in ("failed", "crashed"):
             r.crash = msg[1]
 
-    def _output(self, r: _Replica, out: RequestOutput) -> None:
+    def _output(self, r: Replica, out: RequestOutput) -> None:
         sent = self.sent.get(out.request_id)
         if sent is None or sent.replica != r.index:
             return  # aborted meanwhile
@@ -221,20 +237,21 @@ class EnginePool(RequestFront):
                 self.metrics.prompt_tokens += m.prompt_tokens
         self._done.append(out)
 
-    def _lost(self, r: _Replica, why: str, resend: bool) -> None:
+    def _lost(self, r: Replica, why: str, resend: bool) -> None:
         """Replica r is gone: its requests go elsewhere (`resend`, those that streamed nothing
         and were not sent again already) or fail; it starts again if it may."""
         if r.state not in ("starting", "serving"):
             return
-        r.error, r.state, r.counters = why, "dead", {}
+        r.error, r.state, r.counters = why, "away" if r.remote else "dead", {}
         r.outbox.put(None)
         r.conn.close()
         self.router.forget(r.index)
-        pid = r.proc.pid
-        log.error("engine replica %d (pid %d) %s", r.index, pid, why)
+        pid = r.pid
+        log.error("engine replica %d (pid %s) %s%s", r.index, pid, why,
+                  "; it may join again" if r.remote else "")
         orphans = sorted(r.requests)
         r.requests.clear()
-        if self._up and not self._closing and r.restarts < MAX_RESTARTS:
+        if not r.remote and self._up and not self._closing and r.restarts < MAX_RESTARTS:
             r.restarts += 1
             log.info("starting engine replica %d again (restart %d of %d)", r.index, r.restarts, MAX_RESTARTS)
             self._spawn(r)
@@ -262,7 +279,7 @@ class EnginePool(RequestFront):
         message = add[:4] + ({**kw, "follows": follows},) + add[5:] if sibling else add
         data = pickle.dumps(message)  # here: a message that cannot go fails add_request, before any bookkeeping
         i = leader.replica if sibling else self.router.route(ids, params.cache_salt, loads)[0]
-        self.sent[rid] = _Sent(i, add, resent=resent)
+        self.sent[rid] = Sent(i, add, resent=resent)
         self.replicas[i].requests.add(rid)
         self.replicas[i].outbox.put(data)
 
@@ -302,7 +319,8 @@ class EnginePool(RequestFront):
         return bool(self.sent or self._done) or self._none_left()
 
     def _none_left(self) -> bool:
-        return self._up and all(r.state not in ("starting", "serving") for r in self.replicas)
+        """No replica serves or may: every local one used up its restarts (another host's may join again)."""
+        return self._up and all(r.state not in ("starting", "serving", "away") for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
         self._pump(0.0 if self._done else STEP_WAIT_S)
@@ -333,17 +351,10 @@ class EnginePool(RequestFront):
         out["uptime_s"] = time.time() - self.started
         out["data_parallel_size"] = len(self.replicas)
         out["routing"] = dict(self.router.decisions)
-        out["replicas"] = [{
-            "index": r.index, "pid": r.proc.pid if r.proc is not None else None, "cores": r.cores,
-            "state": r.state, "restarts": r.restarts, "error": r.error or None, "in_flight": len(r.requests),
-            **{k: r.counters.get(k, 0) for k in ("running", "waiting", "prefix_cache_queries", "prefix_cache_hits",
-                                                  "prefix_cache_hit_rate")},
-            "routed": dict(self.router.per_replica[r.index]),
-            "output_tokens": r.counters.get("completion_tokens", 0),
-        } for r in self.replicas]
+        out["replicas"] = [r.row(self.router.per_replica[r.index]) for r in self.replicas]
         return out
 
-    def _totals(self, serving: list[_Replica]) -> dict[str, Any]:
+    def _totals(self, serving: list[Replica]) -> dict[str, Any]:
         """The totals over every request the pool saw finish; steps from the replicas' own
         counts (since each last started), busy time the busiest one's (they step at once)."""
         m, counts = self.metrics, [r.counters for r in serving]
@@ -356,11 +367,16 @@ class EnginePool(RequestFront):
     def close(self) -> None:
         """Stop every replica: the stop message, then (all within STOP_WAIT_S) terminate, then kill."""
         self._closing = True
+        if self.desk is not None:
+            self.desk.close()
         for r in self.replicas:
             if r.state in ("starting", "serving"):
                 r.outbox.put(pickle.dumps(("stop",)))
                 r.outbox.put(None)
             r.state = "stopped"
+        for r in self.replicas:  # another host's: its stop is sent before we go
+            if r.remote and r.sender is not None:
+                r.sender.join(STOP_WAIT_S)
         procs = [r.proc for r in self.replicas if r.proc is not None]
         deadline = time.monotonic() + STOP_WAIT_S
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:

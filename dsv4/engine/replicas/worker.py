@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import threading
 import traceback
 from concurrent.futures import Future
@@ -35,8 +36,8 @@ IDLE_WAIT_S = 0.25  # how long an idle loop blocks on its inbox
 class _Link:
     """The replica's end of the pipe: one lock over its sends, a reader thread filling `inbox`."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn, self.lock, self.inbox = conn, threading.Lock(), queue.Queue()
+    def __init__(self, conn: Any, gone: str | None = None) -> None:
+        self.conn, self.lock, self.inbox, self.gone = conn, threading.Lock(), queue.Queue(), gone
         threading.Thread(target=self._read, name="dsv4-replica-reader", daemon=True).start()
 
     def _read(self) -> None:
@@ -47,6 +48,8 @@ class _Link:
                 if msg[0] == "stop":
                     return
         except (EOFError, OSError):
+            if self.gone:
+                print(self.gone, file=sys.stderr, flush=True)
             os._exit(3)  # the daemon is gone
 
     def send(self, msg: tuple) -> None:
@@ -54,14 +57,25 @@ class _Link:
             self.conn.send(msg)
 
 
-def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
-    """Entry point of replica `index` (spawned): pin to `cores`, load, serve until "stop"."""
+def replica_config(config: Any, index: int) -> Any:
+    """Replica `index`'s engine config: one engine of the group, its own seed (unseeded
+    sampling differs between replicas), no place of its own among the hosts."""
+    from dataclasses import replace
+
+    return replace(config, data_parallel_size=1, data_parallel_size_local=None, data_parallel_address=None,
+                   data_parallel_rpc_port=None, data_parallel_rank=0, seed=config.seed + index)
+
+
+def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str | None = None) -> int:
+    """Entry point of replica `index` (spawned, or a host joining: `remote.join`): pin to
+    `cores`, load, serve until "stop" (0; 1 when it could not start). `gone`: the line
+    printed when the daemon's end closes (the process then exits 3)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the daemon stops us in order
     try:
         os.sched_setaffinity(0, cores)
     except (AttributeError, OSError):
         pass
-    link = _Link(conn)
+    link = _Link(conn, gone)
     try:
         from dsv4.engine.engine import Engine
 
@@ -69,7 +83,7 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
     except Exception as e:  # noqa: BLE001  (the pool reports it as this replica's start failure)
         lines = str(e).strip().splitlines()
         link.send(("failed", f"{type(e).__name__}: {lines[0] if lines else ''}"))
-        return
+        return 1
     try:
         link.send(("ready", {"weight_bytes": engine.weight_bytes, "quant_note": engine.quant_note,
                              "compile_note": engine.compile_note, "calibration_note": engine.calibration_note,
@@ -88,6 +102,7 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any) -> None:
         raise SystemExit(1)
     finally:
         engine.close()
+    return 0
 
 
 def _beat(engine: Any, link: _Link, stop: threading.Event) -> None:

@@ -1,0 +1,216 @@
+"""Engine replicas on other hosts (`serve --data-parallel-address ADDR --data-parallel-rpc-port PORT`).
+
+    node 0:  dsv4 serve --data-parallel-size 3 --data-parallel-size-local 1 --data-parallel-address A --data-parallel-rpc-port P
+    host 1:  dsv4 serve --data-parallel-size 3 --data-parallel-rank 1 --data-parallel-address A --data-parallel-rpc-port P
+    host 2:  dsv4 serve --data-parallel-size 3 --data-parallel-rank 2 --data-parallel-address A --data-parallel-rpc-port P
+
+Node 0's pool (`JoinDesk`) listens on A:P only (bound there, as the tensor-parallel store is:
+`parallel.listen`). A joining host proves the shared key (DSV4_API_KEY or --api-key, the
+daemon's own) by an HMAC challenge both ways (`multiprocessing.connection`: the key never
+travels), then says which replica it is and what it serves (`identity`: the model's
+config.json and tensor list, dtype, quantization, lengths). Nothing is unpickled before the
+key is proven; a connection that does not prove it within HANDSHAKE_S is dropped, and at most
+MAX_PENDING handshakes run at once (a flood of connections costs node 0 a socket each, briefly).
+A replica with another model, dtype or key is refused before it loads a byte (exit 2). Once
+welcomed, the joining process runs `worker.replica_main` over that connection, exactly as a
+local replica does over its pipe. It is not torch.distributed's TCPStore: the store has no
+authentication, and this link lives as long as the replica and carries pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import socket
+import struct
+import sys
+import threading
+import time
+from multiprocessing.connection import AuthenticationError, Connection, answer_challenge, deliver_challenge
+from pathlib import Path
+from typing import Any
+
+from dsv4.safetensors_header import read_header
+
+log = logging.getLogger("dsv4.replicas")
+
+HANDSHAKE_S = 10.0  # a joining connection proves the key and says who it is within this
+MAX_PENDING = 8  # handshakes at once; more connections are closed at once
+IDENTITY_FLAGS = {"dtype": "--dtype", "quantization": "--quantization", "tensor_parallel_size": "--tensor-parallel-size",
+                  "max_model_len": "--max-model-len", "max_num_seqs": "--max-num-seqs",
+                  "num_speculative_tokens": "--num-speculative-tokens", "enable_prefix_caching": "--enable-prefix-caching",
+                  "draft_vocab_ids": "--draft-vocab"}
+
+
+class JoinError(Exception):
+    """This host could not join node 0 (one line); `code` is the exit status (2: refused)."""
+
+    def __init__(self, line: str, code: int = 1) -> None:
+        super().__init__(line)
+        self.code = code
+
+
+def link_key(key: str) -> bytes:
+    """The HMAC key of the link, from the shared secret."""
+    return hashlib.sha256(b"dsv4-replica-link\0" + key.encode()).digest()
+
+
+def identity(config: Any) -> dict[str, Any]:
+    """What a joining replica must share with node 0: the model (its config.json and every
+    tensor's name, dtype and shape: paths differ between hosts), and the settings that change
+    what it computes or how requests are routed to it."""
+    model = Path(config.model)
+    tensors = {f.name: sorted((n, t.get("dtype"), t.get("shape")) for n, t in read_header(f).tensors.items())
+               for f in sorted(model.glob("*.safetensors"))}
+    digest = hashlib.sha256((model / "config.json").read_bytes())
+    digest.update(json.dumps(sorted(tensors.values()), default=str).encode())
+    return {"model": digest.hexdigest(), **{k: _short(repr(getattr(config, k, None))) for k in IDENTITY_FLAGS}}
+
+
+def _short(text: str) -> str:
+    """A setting's repr, or its digest when long (a draft vocabulary's ids)."""
+    return text if len(text) <= 64 else "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def differs(ours: dict[str, Any], theirs: Any) -> str:
+    """'' when a joiner's identity is ours, else what differs (one phrase)."""
+    if not isinstance(theirs, dict):
+        return "it sent no identity"
+    if theirs.get("model") != ours["model"]:
+        return "its model differs (config.json or the tensors)"
+    for k, flag in IDENTITY_FLAGS.items():
+        if theirs.get(k) != ours[k]:
+            return f"its {flag} {theirs.get(k)} differs from this daemon's {ours[k]}"
+    return ""
+
+
+def _recv_timeout(conn: Connection, seconds: float) -> None:
+    """Bound (0: unbound) every blocking read on `conn`'s socket."""
+    s = socket.socket(fileno=conn.fileno())
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
+    finally:
+        s.detach()
+
+
+class JoinDesk:
+    """Node 0's door: a listening socket and a thread accepting on it; `joined` holds
+    (connection, join message, peer address) for each joiner that proved the key."""
+
+    def __init__(self, address: str, port: int, key: str) -> None:
+        from dsv4.model.parallel import listen
+
+        try:
+            self.sock = listen(address, port)
+        except OSError as e:
+            raise OSError(f"--data-parallel-address {address} --data-parallel-rpc-port {port}: cannot listen there "
+                          f"({e.strerror or e}); use an address of this host and a free port") from None
+        self.key = link_key(key)
+        self.where = f"{address}:{self.sock.getsockname()[1]}"
+        self.joined: "queue.Queue[tuple[Connection, tuple, str]]" = queue.Queue()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING)
+        self._closed = False
+        threading.Thread(target=self._accept, name="dsv4-replica-desk", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self.sock.accept()
+            except OSError:
+                return  # closed
+            if not self._pending.acquire(blocking=False):
+                sock.close()
+                continue
+            threading.Thread(target=self._handshake, args=(sock, peer[0]), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket, peer: str) -> None:
+        conn = Connection(sock.detach())
+        try:
+            _recv_timeout(conn, HANDSHAKE_S)
+            deliver_challenge(conn, self.key)
+            answer_challenge(conn, self.key)
+            msg = conn.recv()  # authenticated: a pickle from a holder of the key
+            _recv_timeout(conn, 0)
+            if not (isinstance(msg, tuple) and len(msg) == 4 and msg[0] == "join"):
+                raise ValueError("not a join message")
+            self.joined.put((conn, msg, peer))
+            conn = None
+        except AuthenticationError:
+            log.warning("a replica connecting from %s did not prove the key (DSV4_API_KEY): dropped", peer)
+        except (OSError, EOFError, ValueError, TypeError) as e:
+            log.warning("a connection from %s to the replica desk failed its handshake (%s): dropped", peer,
+                        type(e).__name__)
+        except Exception as e:  # noqa: BLE001  (an unpickling error from a key holder: theirs, not ours)
+            log.warning("a replica from %s sent what could not be read (%s): dropped", peer, e)
+        finally:
+            if conn is not None:
+                conn.close()
+            self._pending.release()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect(address: str, port: int, key: str, wait_s: float) -> Connection:
+    """This host's link to node 0's desk, the key proven both ways; retried until `wait_s`
+    (node 0 may still be starting, or its desk busy with other handshakes). `JoinError`
+    when it cannot be had, at once (code 2) when node 0 refuses the key."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return _handshake(address, port, key)
+        except OSError as e:  # not there yet, or the handshake was cut (a full desk)
+            if time.monotonic() >= deadline:
+                raise JoinError(f"nothing answers at {address}:{port} (--data-parallel-address/"
+                                      f"--data-parallel-rpc-port) after {wait_s:g} s: {e.strerror or e}") from None
+            time.sleep(0.5)
+
+
+def _handshake(address: str, port: int, key: str) -> Connection:
+    sock = socket.create_connection((address, port), timeout=HANDSHAKE_S)
+    sock.settimeout(None)
+    conn = Connection(sock.detach())
+    try:
+        _recv_timeout(conn, HANDSHAKE_S)
+        answer_challenge(conn, link_key(key))
+        deliver_challenge(conn, link_key(key))
+        _recv_timeout(conn, 0)
+        return conn
+    except AuthenticationError:
+        conn.close()
+        raise JoinError(f"node 0 at {address}:{port} refused this host's key: DSV4_API_KEY (or --api-key) must be "
+                        f"the same on every host", code=2) from None
+    except (OSError, EOFError) as e:
+        conn.close()
+        raise OSError(f"the handshake was cut ({type(e).__name__})") from None
+
+
+def join(config: Any, key: str) -> int:
+    """`dsv4 serve --data-parallel-rank R` (R > 0): be replica R of node 0's daemon until it
+    stops us (exit 0). Refused (another model, dtype, rank taken): one line, exit 2."""
+    from dsv4.engine.replicas.worker import replica_config, replica_main
+
+    rank, where = config.data_parallel_rank, f"{config.data_parallel_address}:{config.data_parallel_rpc_port}"
+    try:
+        conn = connect(config.data_parallel_address, config.data_parallel_rpc_port, key, config.rendezvous_timeout)
+        cores = sorted(os.sched_getaffinity(0))
+        conn.send(("join", rank, identity(config), {"pid": os.getpid(), "cores": cores}))
+        if not conn.poll(config.rendezvous_timeout):
+            raise JoinError(f"node 0 at {where} did not answer the join within --rendezvous-timeout")
+        reply = conn.recv()
+    except (JoinError, EOFError, OSError) as e:
+        print(f"dsv4: engine replica {rank}: {str(e) or type(e).__name__}", file=sys.stderr)
+        return e.code if isinstance(e, JoinError) else 1
+    if reply[0] != "welcome":
+        print(f"dsv4: engine replica {rank}: node 0 at {where} refused it: {reply[1]}", file=sys.stderr)
+        return 2
+    log.info("engine replica %d joined the daemon at %s; loading", rank, where)
+    return replica_main(rank, replica_config(config, rank), cores, conn, gone=f"dsv4: engine replica {rank}: the daemon at {where} went away")

@@ -1,0 +1,67 @@
+"""One engine replica as the pool sees it (`Replica`: its process or link, its state, the
+requests it holds, what it last reported) and one request it was sent (`Sent`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Replica:
+    index: int
+    cores: list[int]
+    remote: bool = False  # on another host: joins node 0's desk (remote.py), is not spawned here
+    host: str | None = None  # a remote one's address, once joined
+    pid: int | None = None
+    proc: Any = None
+    conn: Any = None
+    outbox: "queue.Queue[bytes | None]" = field(default_factory=queue.Queue)  # its sender thread's
+    sender: threading.Thread | None = None
+    # starting, serving, dead (restarts used up), stopped; away: a remote one not joined (again) yet
+    state: str = "starting"
+    restarts: int = 0
+    heard: float = 0.0  # when it last spoke (time.monotonic)
+    requests: set[str] = field(default_factory=set)
+    counters: dict[str, Any] = field(default_factory=dict)  # its latest beat (`Engine.counters`)
+    facts: dict[str, Any] = field(default_factory=dict)  # what it said once loaded
+    crash: str = ""  # what it said before exiting (a start failure, a step that raised)
+    error: str = ""  # why it last died (status)
+
+    def attach(self, conn: Any) -> None:
+        """Talk over `conn` from now on (a pipe to its process, or a remote's link), sending
+        from a thread of its own: a busy or frozen replica never holds up the pool."""
+        self.conn, self.outbox, self.state, self.heard, self.counters, self.crash = (
+            conn, queue.Queue(), "starting", time.monotonic(), {}, "")
+        self.sender = threading.Thread(target=_sender, args=(conn, self.outbox), name=f"dsv4-replica-{self.index}-send",
+                                       daemon=True)
+        self.sender.start()
+
+    def row(self, routed: dict[str, int]) -> dict[str, Any]:
+        """Its line of the pool's status."""
+        return {"index": self.index, "pid": self.pid, "host": self.host, "cores": self.cores, "state": self.state,
+                "restarts": self.restarts, "error": self.error or None, "in_flight": len(self.requests),
+                **{k: self.counters.get(k, 0) for k in ("running", "waiting", "prefix_cache_queries",
+                                                         "prefix_cache_hits", "prefix_cache_hit_rate")},
+                "routed": dict(routed), "output_tokens": self.counters.get("completion_tokens", 0)}
+
+
+@dataclass
+class Sent:
+    replica: int
+    add: tuple  # the message that queued it, kept to send it elsewhere if its replica is lost
+    streamed: bool = False
+    resent: bool = False  # at most once
+
+
+
+def _sender(conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
+    """Send what the pool queued for one replica, in order, until None or the pipe breaks."""
+    while (data := outbox.get()) is not None:
+        try:
+            conn.send_bytes(data)
+        except (OSError, ValueError):
+            return  # it died: the pool's next pump finds out

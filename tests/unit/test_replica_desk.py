@@ -1,0 +1,126 @@
+"""Node 0's door for replicas of other hosts (`dsv4/engine/replicas/remote.py`), on loopback:
+only a holder of the key gets a join through (HMAC both ways; nothing unpickled before), a
+connection that says nothing is dropped after the handshake limit and holds up nobody
+meanwhile, a flood is cut at MAX_PENDING handshakes, a refused key is one line at once, and
+the identity a joiner must share names what differs."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import socket
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+from dsv4 import DEFAULT_MODEL
+from dsv4.engine.config import EngineConfig
+from dsv4.engine.replicas import remote
+
+KEY = "the-shared-secret"
+
+
+@pytest.fixture
+def desk(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(remote, "HANDSHAKE_S", 1.0)
+    d = remote.JoinDesk("127.0.0.1", 0, KEY)
+    yield d
+    d.close()
+
+
+def port_of(desk: remote.JoinDesk) -> int:
+    return desk.sock.getsockname()[1]
+
+
+def join_message(rank: int = 1) -> tuple:
+    return ("join", rank, {"model": "m"}, {"pid": 1, "cores": [0]})
+
+
+def test_a_key_holder_joins_past_silent_connections(desk: remote.JoinDesk) -> None:
+    silent = [socket.create_connection(("127.0.0.1", port_of(desk))) for _ in range(3)]
+    t0 = time.monotonic()
+    conn = remote.connect("127.0.0.1", port_of(desk), KEY, wait_s=5)
+    conn.send(join_message())
+    got, msg, peer = desk.joined.get(timeout=5)
+    assert msg == join_message() and peer == "127.0.0.1"
+    assert time.monotonic() - t0 < 1.0  # the silent ones did not hold it up
+    got.send(("welcome",))
+    assert conn.recv() == ("welcome",)
+    for s in silent:  # dropped after the handshake limit
+        s.settimeout(5)
+        assert s.recv(4096)  # the challenge...
+        assert s.recv(4096) == b""  # ...then closed
+        s.close()
+    got.close()
+    conn.close()
+
+
+def test_a_wrong_key_is_refused_at_once_and_nothing_is_read(desk: remote.JoinDesk) -> None:
+    with pytest.raises(remote.JoinError, match="refused this host's key") as e:
+        remote.connect("127.0.0.1", port_of(desk), "another-key", wait_s=30)
+    assert e.value.code == 2
+    # a peer without the key that sends a pickle anyway: never unpickled, never joined
+    s = socket.create_connection(("127.0.0.1", port_of(desk)))
+    c = Connection(s.detach())
+    c.recv_bytes()  # the challenge
+    c.send_bytes(pickle.dumps(join_message()))  # instead of the digest
+    assert c.recv_bytes() == b"#FAILURE#"
+    with pytest.raises((EOFError, OSError)):  # then closed
+        c.recv_bytes()
+    c.close()
+    with pytest.raises(queue.Empty):
+        desk.joined.get(timeout=0.5)
+
+
+def test_a_key_holder_sending_nonsense_is_dropped(desk: remote.JoinDesk) -> None:
+    conn = remote.connect("127.0.0.1", port_of(desk), KEY, wait_s=5)
+    conn.send(("hello", "not a join"))
+    with pytest.raises(EOFError):
+        conn.recv()
+    with pytest.raises(queue.Empty):
+        desk.joined.get(timeout=0.2)
+
+
+def test_a_flood_is_cut_at_the_pending_limit_and_a_joiner_retries_through(desk: remote.JoinDesk) -> None:
+    flood = [socket.create_connection(("127.0.0.1", port_of(desk))) for _ in range(remote.MAX_PENDING + 4)]
+    time.sleep(0.3)
+    closed = 0
+    for s in flood:
+        s.settimeout(0.5)
+        try:
+            data = s.recv(4096)
+        except TimeoutError:
+            continue
+        closed += data == b""
+    assert closed >= 4  # beyond MAX_PENDING: closed at once, no thread, no handshake
+    conn = remote.connect("127.0.0.1", port_of(desk), KEY, wait_s=10)  # gets in once the silent ones time out
+    conn.send(join_message(2))
+    assert desk.joined.get(timeout=5)[1] == join_message(2)
+    for s in flood:
+        s.close()
+    conn.close()
+
+
+def test_nothing_listening_is_one_line_after_the_wait() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(remote.JoinError, match=f"nothing answers at 127.0.0.1:{port}") as e:
+        remote.connect("127.0.0.1", port, KEY, wait_s=0.5)
+    assert e.value.code == 1
+
+
+def test_the_identity_names_what_differs() -> None:
+    a = EngineConfig.create(str(DEFAULT_MODEL), dtype="float32", compile=False)
+    b = EngineConfig.create(str(DEFAULT_MODEL), dtype="bfloat16", compile=False)
+    ours = remote.identity(a)
+    assert remote.differs(ours, remote.identity(a)) == ""
+    assert remote.differs(ours, remote.identity(b)) == "its --dtype 'bfloat16' differs from this daemon's 'float32'"
+    assert remote.differs(ours, {**ours, "model": "x"}) == "its model differs (config.json or the tensors)"
+    assert remote.differs(ours, None) == "it sent no identity"
+
+
+def test_an_address_not_of_this_host_is_one_line() -> None:
+    with pytest.raises(OSError, match="--data-parallel-address 192.0.2.7 --data-parallel-rpc-port 1: cannot listen"):
+        remote.JoinDesk("192.0.2.7", 1, KEY)
