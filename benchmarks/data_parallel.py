@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Engine replicas (`serve --data-parallel-size`) against one engine with the same cores, in one run.
 
-    python benchmarks/data_parallel.py [--rounds 2] [--sections throughput,rotation]
+    python benchmarks/data_parallel.py [--rounds 2] [--sections throughput,rotation,hosts]
 
 * throughput: 32 requests of 256-token held-out prompts, 64 greedy tokens each (ignore_eos),
   8 in flight, through a real daemon on the embedded model: output tokens per second of wall
@@ -13,6 +13,9 @@
   4 in flight, two replicas: the prefix cache's hit rate (over every replica's prompt tokens)
   with routing by cached prefix, by load alone and at random ($DSV4_ROUTING), and one engine's.
 
+* hosts: the throughput workload with replica 1 joined over TCP (`--data-parallel-rank 1`,
+  loopback) against both replicas on one host, one core per replica in both arms.
+
 Markdown tables on stdout; the load average beside each run.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -91,6 +95,42 @@ def throughput(text: list[int], rounds: int) -> None:
           f"**{two / one:.2f}x** (median of rounds; per round {', '.join(f'{x:.2f}' for x in ratios)})")
 
 
+def hosts(text: list[int], rounds: int) -> None:
+    """Replica 1 joined over TCP (--data-parallel-rank 1 on loopback) against both replicas
+    on one host: what the link costs. One core per replica in both arms (taskset)."""
+    prompts = [text[i * 256:(i + 1) * 256] for i in range(32)]
+    params = {"max_tokens": 64, "ignore_eos": True, "temperature": 0}
+    key, port = "bench-replica-key", 29000 + os.getpid() % 1000
+    dp = ["--data-parallel-size", "2", "--threads", "1"]
+    joined = [*dp, "--data-parallel-address", "127.0.0.1", "--data-parallel-rpc-port", str(port)]
+    rates: dict[str, list[float]] = {"one host": [], "replica 1 over TCP": []}
+    print("\n| round | arm | output tok/s | mean TTFT | wall | machine |\n|---|---|---|---|---|---|")
+    for r in range(rounds):
+        for arm in rates:
+            remote = arm != "one host"
+            os.environ.pop("DSV4_API_KEY", None)
+            if remote:
+                os.environ["DSV4_API_KEY"] = key
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                member = subprocess.Popen(["taskset", "-c", "1", str(Path(sys.executable).parent / "dsv4"), "serve",
+                                           *joined, "--data-parallel-rank", "1"], env=env, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                with serving(*(joined + ["--data-parallel-size-local", "1"] if remote else dp),
+                             prefix=("taskset", "-c", "0") if remote else (), key=key if remote else None) as ep:
+                    drive(ep, prompts[:4], params, 4)
+                    res = drive(ep, prompts, params, 8)
+            finally:
+                if remote:
+                    member.wait(30)
+            rates[arm].append(res["tok_s"])
+            print(f"| {r + 1} | {arm} | {res['tok_s']:.1f} | {res['ttft_ms']:.0f} ms | {res['wall_s']:.1f} s | {load()} |",
+                  flush=True)
+    os.environ.pop("DSV4_API_KEY", None)
+    one, tcp = (statistics.median(v) for v in rates.values())
+    print(f"\nreplica 1 over TCP / both on one host, output tok/s at concurrency 8: **{tcp / one:.2f}x** (median)")
+
+
 def rotation(text: list[int], requests: int) -> None:
     systems = [text[i * 2048:(i + 1) * 2048] for i in range(4)]
     msgs = [text[8192 + 64 * j:8192 + 64 * (j + 1)] for j in range(requests)]
@@ -124,7 +164,8 @@ def main() -> None:
     text = heldout_prompts(tok, ROOT / "data" / "shakespeare", 1, 8192 + 64 * a.requests)[0]
     print(f"# engine replicas on {os.cpu_count()} CPUs ({load()})")
     for name in a.sections.split(","):
-        {"throughput": lambda: throughput(text, a.rounds), "rotation": lambda: rotation(text, a.requests)}[name]()
+        {"throughput": lambda: throughput(text, a.rounds), "rotation": lambda: rotation(text, a.requests),
+         "hosts": lambda: hosts(text, a.rounds)}[name]()
 
 
 if __name__ == "__main__":

@@ -23,15 +23,18 @@ from dsv4.daemon.client import Client  # noqa: E402
 
 
 @contextlib.contextmanager
-def serving(*serve_args: str) -> Iterator[str]:
-    """Run `dsv4 serve SERVE_ARGS` (one OpenMP thread, no API key) until the block ends."""
+def serving(*serve_args: str, prefix: tuple[str, ...] = (), key: str | None = None) -> Iterator[str]:
+    """Run `dsv4 serve SERVE_ARGS` (one OpenMP thread; no API key unless `key`, which the
+    benchmark's clients then need in DSV4_API_KEY), under `prefix` (e.g. taskset), until the block ends."""
     d = Path(tempfile.mkdtemp(prefix="dsv4b-", dir="/tmp"))
     ep = f"ipc://{d}/d.sock"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     env.pop("DSV4_API_KEY", None)
+    if key:
+        env["DSV4_API_KEY"] = key
     dsv4 = Path(sys.executable).parent / "dsv4"
     with open(d / "serve.log", "wb") as log:
-        proc = subprocess.Popen([str(dsv4), "serve", *serve_args, "--socket", ep], env=env,
+        proc = subprocess.Popen([*prefix, str(dsv4), "serve", *serve_args, "--socket", ep], env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     try:
         for _ in range(600):

@@ -64,7 +64,7 @@ class EngineConfig:
     quantization: str | None = None
     tensor_parallel_size: int | None = None  # built: WORLD_SIZE under torchrun, else 1 unless given
     data_parallel_size: int = 1  # engine replicas behind one daemon (serve), each on its own cores
-    data_parallel_size_local: int | None = None  # built: the replicas on this host (N unless others join)
+    data_parallel_size_local: int | None = None  # replicas node 0 runs itself when others join (`replicas_here`)
     data_parallel_address: str | None = None  # node 0's address, where replicas of other hosts join
     data_parallel_rpc_port: int | None = None
     data_parallel_rank: int = 0  # > 0: this process is that replica, joining node 0's daemon
@@ -95,6 +95,7 @@ class EngineConfig:
     block_size: int = field(init=False, compare=False)  # positions per block of compressed state
     kv_cache_blocks: int = field(init=False, compare=False)  # blocks in the pool
     draft_vocab_ids: list[int] | None = field(init=False, repr=False, compare=False)  # the MTP's tokens (None: all)
+    replicas_here: int = field(init=False, compare=False)  # engine replicas this process runs (or, joining, is)
 
     @classmethod
     def create(cls, model: str, **kw: Any) -> "EngineConfig":
@@ -120,10 +121,10 @@ class EngineConfig:
             raise EngineConfigError(f"--compile must be true, false or auto, got {self.compile!r}")
         if self.profile_dir is not None:
             set_("profile_dir", check_profile_dir(self.profile_dir))
-        set_("data_parallel_size_local", check_data_parallel_hosts(
+        set_("replicas_here", check_data_parallel_hosts(
             self.data_parallel_size, self.data_parallel_size_local, self.data_parallel_address,
             self.data_parallel_rpc_port, self.data_parallel_rank))
-        check_data_parallel(self.data_parallel_size_local, self.threads, self.planning,
+        check_data_parallel(self.replicas_here, self.threads, self.planning,
                             "--data-parallel-size" if self.data_parallel_address is None else "--data-parallel-size-local")
         if self.threads is not None:
             check_int("--threads", self.threads, minimum=1)
@@ -148,7 +149,7 @@ class EngineConfig:
                     self.rendezvous_timeout)
         check_replicas(self.data_parallel_size, self.device, self.hosts, self.launch is not None, self.master_port)
         if self.threads is None:  # one fewer than the cores; a replica's rank: its share of them
-            n = self.data_parallel_size_local
+            n = self.replicas_here
             set_("threads", default_threads(None if n == 1 else n * self.tensor_parallel_size))
         set_("plan_transport", resolve_transport(self.plan_transport, hosts=self.hosts,
                                                  tensor_parallel_size=self.tensor_parallel_size))

@@ -160,7 +160,7 @@ def memory_plan(config: Any, available: int | None = None) -> MemoryPlan:
     parts = weight_parts(config) + state_parts(config)
     parts.append(Part("activations (estimate)", activation_bytes(config),
                       f"one step of {config.max_num_batched_tokens} tokens (--max-num-batched-tokens)"))
-    replicas, T = config.data_parallel_size_local, config.tensor_parallel_size  # this host's replicas: each all its parts
+    replicas, T = config.replicas_here, config.tensor_parallel_size  # this host's replicas: each all its parts
     plan = MemoryPlan(parts, ranks_here=T // max(1, config.nnodes) * replicas, quantization=config.quantization,
                       here="engines" if replicas > 1 and T == 1 else "ranks")
     if available is not None:

@@ -37,8 +37,13 @@ def join_message(rank: int = 1) -> tuple:
     return ("join", rank, {"model": "m"}, {"pid": 1, "cores": [0]})
 
 
+def dial(desk: remote.JoinDesk, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the desk from `source` (any of 127.0.0.0/8 is this host)."""
+    return socket.create_connection(("127.0.0.1", port_of(desk)), source_address=(source, 0))
+
+
 def test_a_key_holder_joins_past_silent_connections(desk: remote.JoinDesk) -> None:
-    silent = [socket.create_connection(("127.0.0.1", port_of(desk))) for _ in range(3)]
+    silent = [dial(desk, "127.0.0.2"), dial(desk, "127.0.0.2"), dial(desk, "127.0.0.3")]
     t0 = time.monotonic()
     conn = remote.connect("127.0.0.1", port_of(desk), KEY, wait_s=5)
     conn.send(join_message())
@@ -82,18 +87,14 @@ def test_a_key_holder_sending_nonsense_is_dropped(desk: remote.JoinDesk) -> None
         desk.joined.get(timeout=0.2)
 
 
-def test_a_flood_is_cut_at_the_pending_limit_and_a_joiner_retries_through(desk: remote.JoinDesk) -> None:
-    flood = [socket.create_connection(("127.0.0.1", port_of(desk))) for _ in range(remote.MAX_PENDING + 4)]
-    time.sleep(0.3)
-    closed = 0
+def test_a_flood_from_one_address_is_cut_and_a_joiner_retries_through(desk: remote.JoinDesk, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "HANDSHAKE_S", 3.0)  # none times out before the flood is in
+    flood = [dial(desk) for _ in range(remote.MAX_PENDING + 4)]
+    challenged = 0
     for s in flood:
-        s.settimeout(0.5)
-        try:
-            data = s.recv(4096)
-        except TimeoutError:
-            continue
-        closed += data == b""
-    assert closed >= 4  # beyond MAX_PENDING: closed at once, no thread, no handshake
+        s.settimeout(10)
+        challenged += bool(s.recv(4096))  # the challenge; b"" for one closed at once (no thread, no handshake)
+    assert challenged == remote.MAX_PENDING_PER_PEER
     conn = remote.connect("127.0.0.1", port_of(desk), KEY, wait_s=10)  # gets in once the silent ones time out
     conn.send(join_message(2))
     assert desk.joined.get(timeout=5)[1] == join_message(2)
@@ -102,11 +103,46 @@ def test_a_flood_is_cut_at_the_pending_limit_and_a_joiner_retries_through(desk: 
     conn.close()
 
 
+def test_a_flood_from_many_addresses_is_cut_at_the_pending_limit(desk: remote.JoinDesk, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "HANDSHAKE_S", 3.0)  # none times out before the flood is in
+    flood = [dial(desk, f"127.0.0.{10 + i // 2}") for i in range(remote.MAX_PENDING + 4)]  # 2 per address
+    challenged = 0
+    for s in flood:  # all kept open meanwhile: a closed one would free its place
+        s.settimeout(10)
+        challenged += bool(s.recv(4096))
+    for s in flood:
+        s.close()
+    assert challenged == remote.MAX_PENDING
+
+
+def test_a_trickling_peer_is_cut_at_the_handshake_deadline(desk: remote.JoinDesk) -> None:
+    """One deadline over the whole handshake: a peer sending a byte at a time still goes."""
+    s = socket.create_connection(("127.0.0.1", port_of(desk)))
+    s.settimeout(5)
+    s.recv(4096)  # the challenge
+    t0 = time.monotonic()
+    with pytest.raises(OSError):
+        for _ in range(40):  # a 4-byte length header claiming 256 bytes, then a byte each 0.1 s
+            s.sendall(b"\x00" if _ else b"\x00\x00\x01\x00")
+            time.sleep(0.1)
+            s.setblocking(False)
+            try:
+                if s.recv(1) == b"":
+                    raise OSError("closed")
+            except BlockingIOError:
+                pass
+            finally:
+                s.setblocking(True)
+                s.settimeout(5)
+    assert time.monotonic() - t0 < 2.0 + remote.HANDSHAKE_S
+    s.close()
+
+
 def test_nothing_listening_is_one_line_after_the_wait() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with pytest.raises(remote.JoinError, match=f"nothing answers at 127.0.0.1:{port}") as e:
+    with pytest.raises(remote.JoinError, match=f"could not join 127.0.0.1:{port} .* nothing answers") as e:
         remote.connect("127.0.0.1", port, KEY, wait_s=0.5)
     assert e.value.code == 1
 
@@ -117,7 +153,8 @@ def test_the_identity_names_what_differs() -> None:
     ours = remote.identity(a)
     assert remote.differs(ours, remote.identity(a)) == ""
     assert remote.differs(ours, remote.identity(b)) == "its --dtype 'bfloat16' differs from this daemon's 'float32'"
-    assert remote.differs(ours, {**ours, "model": "x"}) == "its model differs (config.json or the tensors)"
+    assert remote.differs(ours, {**ours, "model": "x"}) == "its model differs (config.json, the tensors or the tokenizer)"
+    assert remote.differs(ours, {**ours, "dsv4": "0.0.1"}).startswith("it runs dsv4 0.0.1, this daemon")
     assert remote.differs(ours, None) == "it sent no identity"
 
 

@@ -81,7 +81,7 @@ class EnginePool(RequestFront):
     def __init__(self, config: EngineConfig, key: str | None = None) -> None:
         self._init_front(config)
         self.started = time.time()
-        n, here = config.data_parallel_size, config.data_parallel_size_local
+        n, here = config.data_parallel_size, config.replicas_here
         self.timeout_s = replica_timeout_s()
         self._ctx = mp.get_context("spawn")
         self.replicas = [Replica(i, cores) for i, cores in enumerate(cores_of(here))]
@@ -196,8 +196,18 @@ class EnginePool(RequestFront):
 
     def _drain(self, r: Replica) -> None:
         try:
-            while r.conn.poll():
-                self._take(r, r.conn.recv())
+            while r.state in ("starting", "serving") and r.conn.poll():
+                try:
+                    msg = r.conn.recv()
+                except (EOFError, OSError):
+                    raise
+                except Exception as e:  # noqa: BLE001  (unpicklable: only another host's can send that)
+                    if not r.remote:
+                        raise
+                    self._lost(r, f"on {r.host} sent what this daemon cannot read ({type(e).__name__}: {e})",
+                               resend=True)
+                    return
+                self._take(r, msg)
         except (EOFError, OSError):
             if r.remote:  # its process ended, or its host is unreachable: it may join again
                 self._lost(r, r.crash or f"on {r.host}: its connection closed", resend=not r.crash)
@@ -221,6 +231,8 @@ class EnginePool(RequestFront):
                      r.pid, span(r.cores))
         elif kind in ("failed", "crashed"):
             r.crash = msg[1]
+            if r.remote:  # its process may take a while to end: it is gone for us now
+                self._lost(r, r.crash, resend=False)
 
     def _output(self, r: Replica, out: RequestOutput) -> None:
         sent = self.sent.get(out.request_id)
@@ -243,8 +255,7 @@ class EnginePool(RequestFront):
         if r.state not in ("starting", "serving"):
             return
         r.error, r.state, r.counters = why, "away" if r.remote else "dead", {}
-        r.outbox.put(None)
-        r.conn.close()
+        r.cut()
         self.router.forget(r.index)
         pid = r.pid
         log.error("engine replica %d (pid %s) %s%s", r.index, pid, why,
@@ -301,7 +312,8 @@ class EnginePool(RequestFront):
         rid = str(request_id) if request_id is not None else f"req-{self._ids}"
         check_prompt(ids, params, self.config.model_config.vocab_size, self.config.max_model_len, self.positions)
         if not self._serving():
-            raise RequestBusy("no engine replica is serving: they are starting again; try again shortly")
+            raise RequestBusy("no engine replica is serving now (starting again, or waiting for another host's "
+                              "to join); try again shortly")
         spec = grammar.spec if isinstance(grammar, _Spec) else params.structured
         self._send(rid, ("add", rid, ids, params, {"client": client}, spec), follows)
         return rid

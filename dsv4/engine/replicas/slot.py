@@ -4,6 +4,7 @@ requests it holds, what it last reported) and one request it was sent (`Sent`)."
 from __future__ import annotations
 
 import queue
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,19 @@ class Replica:
                                        daemon=True)
         self.sender.start()
 
+    def cut(self) -> None:
+        """Stop talking to it: the connection is shut down now (a send blocked on it fails,
+        a remote replica sees its end close) and closed by its sender thread."""
+        try:
+            s = socket.socket(fileno=self.conn.fileno())
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            finally:
+                s.detach()
+        except (OSError, ValueError):
+            pass  # not a socket, or gone already
+        self.outbox.put(None)
+
     def row(self, routed: dict[str, int]) -> dict[str, Any]:
         """Its line of the pool's status."""
         return {"index": self.index, "pid": self.pid, "host": self.host, "cores": self.cores, "state": self.state,
@@ -59,9 +73,14 @@ class Sent:
 
 
 def _sender(conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
-    """Send what the pool queued for one replica, in order, until None or the pipe breaks."""
+    """Send what the pool queued for one replica, in order, until None; then close the
+    connection (only here: the pool stops reading it before it queues None, so its
+    descriptor cannot be reused while either thread still uses it)."""
+    broken = False
     while (data := outbox.get()) is not None:
-        try:
-            conn.send_bytes(data)
-        except (OSError, ValueError):
-            return  # it died: the pool's next pump finds out
+        if not broken:
+            try:
+                conn.send_bytes(data)
+            except (OSError, ValueError):
+                broken = True  # it died: the pool's next pump finds out
+    conn.close()

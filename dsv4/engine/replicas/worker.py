@@ -70,7 +70,8 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str
     """Entry point of replica `index` (spawned, or a host joining: `remote.join`): pin to
     `cores`, load, serve until "stop" (0; 1 when it could not start). `gone`: the line
     printed when the daemon's end closes (the process then exits 3)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the daemon stops us in order
+    if gone is None:  # spawned: Ctrl-C reaches the whole group, and the daemon stops us in order
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         os.sched_setaffinity(0, cores)
     except (AttributeError, OSError):
@@ -82,7 +83,10 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str
         engine = Engine(config)
     except Exception as e:  # noqa: BLE001  (the pool reports it as this replica's start failure)
         lines = str(e).strip().splitlines()
-        link.send(("failed", f"{type(e).__name__}: {lines[0] if lines else ''}"))
+        line = f"{type(e).__name__}: {lines[0] if lines else ''}"
+        if gone:  # another host's: said here too
+            print(f"dsv4: engine replica {index} could not start: {line}", file=sys.stderr)
+        link.send(("failed", line))
         return 1
     try:
         link.send(("ready", {"weight_bytes": engine.weight_bytes, "quant_note": engine.quant_note,
@@ -95,6 +99,8 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str
     except Exception as e:  # noqa: BLE001
         if os.environ.get("DSV4_DEBUG"):
             traceback.print_exc()
+        if gone:
+            print(f"dsv4: engine replica {index} failed: {type(e).__name__}: {e}", file=sys.stderr)
         try:
             link.send(("crashed", f"{type(e).__name__}: {e}"))
         except (OSError, ValueError):
