@@ -2,7 +2,7 @@
 """`--num-speculative-tokens auto` against every fixed K, as ratios within one run.
 
     python benchmarks/auto_k.py [--rounds 2] [--prompts 8] [--gen 32] [--threads 1] [--out runs/bench]
-    python benchmarks/auto_k.py --tpot [--fresh] [--rounds 5] [--gen 64] [--threads 1]
+    python benchmarks/auto_k.py --tpot [--fresh] [--compile] [--rounds 5] [--gen 64] [--threads 1]
 
 One engine per arm (auto, K = 0, 1, 2, 3; embedded model, max_num_seqs 8), built once.
 For each round, concurrency (1, 8) and prompt set (256-token windows of the held-out
@@ -91,7 +91,7 @@ def tpot(a: argparse.Namespace) -> None:
     """Batch-1 TPOT of K = 0, 1, 2 and auto (see the module docstring, `--tpot`)."""
     model = dsv4.DEFAULT_MODEL
     prompts = heldout_prompts(Tokenizer.from_dir(model), a.data, a.tpot_prompts, 256)
-    make = lambda arm: LLM(model, num_speculative_tokens=arm, max_model_len=1024)  # noqa: E731
+    make = lambda arm: LLM(model, num_speculative_tokens=arm, max_model_len=1024, compile=a.compile)  # noqa: E731
     auto = make("auto")
     depth = auto.engine.config.num_speculative_tokens
     names = ["auto"] + [str(k) for k in range(min(depth, 2) + 1)]
@@ -168,6 +168,8 @@ def main() -> None:
                     "default sampling (the issue's measurement); --rounds repetitions, --gen tokens")
     ap.add_argument("--tpot-prompts", type=int, default=1, help="--tpot: held-out prompts a round")
     ap.add_argument("--fresh", action="store_true", help="--tpot: a new engine for every run (as `dsv4 run --local`)")
+    ap.add_argument("--compile", action="store_true", help="--tpot: compiled decode steps (LLM(compile=True): "
+                    "the cached buckets load, the others build first)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     if a.tpot:
