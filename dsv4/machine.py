@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 
+def installed_version() -> str:
+    """dsv4's installed version, from the package metadata (`import dsv4` from below the
+    top would close an import cycle: the package's top imports the engine lazily)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("dsv4")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
     try:

@@ -34,7 +34,7 @@ from multiprocessing.connection import AuthenticationError, Connection, answer_c
 from pathlib import Path
 from typing import Any, Iterator
 
-from dsv4 import __version__
+from dsv4.machine import installed_version
 from dsv4.safetensors_header import read_header
 
 log = logging.getLogger("dsv4.replicas")
@@ -74,7 +74,7 @@ def identity(config: Any) -> dict[str, Any]:
     for name in TOKENIZER_FILES:  # the daemon tokenizes; a replica detokenizes what it streams
         if (model / name).is_file():
             digest.update(name.encode() + hashlib.sha256((model / name).read_bytes()).digest())
-    return {"dsv4": __version__, "model": digest.hexdigest(),
+    return {"dsv4": installed_version(), "model": digest.hexdigest(),
             **{k: _short(repr(getattr(config, k, None))) for k in IDENTITY_FLAGS}}
 
 

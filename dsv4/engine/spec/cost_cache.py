@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from dsv4.machine import installed_version
 from dsv4.private_paths import PathError, cache_home, ensure_private_cache
 from dsv4.safetensors_header import read_header
 
@@ -45,17 +46,6 @@ def cache_dir() -> Path | None:
         return None
 
 
-def _version() -> str:
-    """dsv4's installed version (`import dsv4` from here would close an import cycle: the
-    package's top imports the engine lazily, which the import test counts)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("dsv4")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -71,7 +61,7 @@ def key(config: Any, params: Any) -> str:
     """The cache key of a calibration under `config` (an EngineConfig) with default sampling `params`."""
     model = Path(config.model)
     parts: dict[str, Any] = {
-        "dsv4": _version(), "torch": torch.__version__, "cpu": _cpu_name(),
+        "dsv4": installed_version(), "torch": torch.__version__, "cpu": _cpu_name(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "env": {k: os.environ.get(k) for k in KERNEL_ENV},
