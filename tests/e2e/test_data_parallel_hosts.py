@@ -97,11 +97,11 @@ def test_a_replica_on_another_host_joins_serves_and_is_checked(hosts: tuple[str,
         assert f"on {B}" in line, line
 
         # refused when they join, before loading: another key, another dtype, a place taken
-        for flags, key, words in (((), "another-key", "refused this host's key"),
-                                  (("--dtype", "bfloat16"), KEY, "its --dtype 'bfloat16' differs from this daemon's "
-                                                                 "'float32'"),
-                                  ((), KEY, "replica 1 is already serving")):
-            p = joiner(b, tiny_model, port, 1, *flags, key=key)
+        cases = (((), "another-key", "refused this host's key"),
+                 (("--dtype", "bfloat16"), KEY, "its --dtype 'bfloat16' differs from this daemon's 'float32'"),
+                 ((), KEY, "replica 1 is already serving"))
+        refused = [(joiner(b, tiny_model, port, 1, *flags, key=key), words) for flags, key, words in cases]  # at once
+        for p, words in refused:
             _, err = p.communicate(timeout=60)
             assert p.returncode == 2 and words in err and len(err.strip().splitlines()) == 1, (p.returncode, err)
         assert "did not prove the key" in node0.log.read_text()
