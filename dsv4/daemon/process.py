@@ -207,7 +207,12 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
 
         code = join(config, api_key or "")  # logs once it is welcomed: a refusal is its one line
         logging.shutdown()
-        return code
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # the engine is closed: exit without C++ static destructors, as a node's ranks do (a
+        # library thread still joinable at interpreter exit aborts them: "terminate called
+        # without an active exception", exit -6, seen once in a fresh-clone suite run)
+        os._exit(code)
     if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
         from dsv4.engine.parallel.ranks import serve_node
 
