@@ -5,7 +5,9 @@ a JSON map of tensor name -> {dtype, shape, data_offsets} (offsets from the end 
     h.data_start, h.tensors["embed.weight"], h.file_size
 
 Its readers: the loader's mapped tensors (`model/mapped.py`), the raw-byte reader of
-`model/checkpoint.py`, and `dsv4 models` (`hub/listing.py`), which sums bytes per dtype.
+`model/checkpoint.py`, `dsv4 models` (`hub/listing.py`), which sums bytes per dtype, and
+`tensor_listing` (what a checkpoint holds, for the calibration cache's key and a joining
+replica's identity).
 """
 
 from __future__ import annotations
@@ -50,3 +52,10 @@ def read_header(file: str | Path) -> Header:
     if not isinstance(header, dict):
         raise SafetensorsError(f"corrupt safetensors file {file}: its header is not a JSON object")
     return Header(8 + n, {k: v for k, v in header.items() if k != "__metadata__"}, size)
+
+
+def tensor_listing(directory: str | Path) -> dict[str, list[tuple[str, Any, Any]]]:
+    """Every shard of a checkpoint directory -> its tensors' (name, dtype, shape), sorted: what
+    the checkpoint holds, wherever it lies."""
+    return {f.name: [(n, t.get("dtype"), t.get("shape")) for n, t in sorted(read_header(f).tensors.items())]
+            for f in sorted(Path(directory).glob("*.safetensors"))}

@@ -381,15 +381,9 @@ def torchrun_follower(kw: dict[str, Any]) -> None:
         code = serve_node(config)
     except RankError as e:
         raise CliError(str(e)) from None
-    import logging
+    from dsv4.daemon.process import exit_now
 
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # the group is left: exit without C++ static destructors, as `serve --node-rank` does (gloo's
-    # threads sometimes abort them at interpreter exit: "terminate called without an active
-    # exception", exit -6, seen once in a fresh-clone suite run of the torchrun test)
-    os._exit(code)
+    exit_now(code)  # the group is left
 
 
 def read_tool_options(tools: str | None, choice: str) -> tuple[list[dict[str, Any]] | None, str]:

@@ -193,6 +193,18 @@ def _raise_interrupt(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
+def exit_now(code: int) -> None:
+    """Exit with `code` once logs and output are flushed, without C++ static destructors: a
+    library thread (gloo's, or one an engine left) still joinable at interpreter exit aborts
+    them ("terminate called without an active exception", exit -6; seen in fresh-clone suite
+    runs of the two-host, torchrun and replica-host tests). For processes whose work is done:
+    a node's ranks, a joining replica, a torchrun follower."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key: str | None = None,
                given: Collection[str] | None = None) -> int:
     """Serve in the foreground until stopped; returns the exit status. `http`: an unbound
@@ -205,26 +217,13 @@ def run_daemon(config: Any, endpoint: str, http: FrontEnd | None = None, api_key
     if getattr(config, "data_parallel_rank", 0) > 0:  # a replica of another host's daemon: binds nothing
         from dsv4.engine.replicas.remote import join
 
-        code = join(config, api_key or "")  # logs once it is welcomed: a refusal is its one line
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # the engine is closed: exit without C++ static destructors, as a node's ranks do (a
-        # library thread still joinable at interpreter exit aborts them: "terminate called
-        # without an active exception", exit -6, seen once in a fresh-clone suite run)
-        os._exit(code)
+        exit_now(join(config, api_key or ""))  # logs once it is welcomed: a refusal is its one line
     if getattr(config, "node_rank", 0) > 0:  # another host's ranks: no socket, until rank 0 stops
         from dsv4.engine.parallel.ranks import serve_node
 
         log.info("node %d of %d: joining rank 0 at %s:%s", config.node_rank, config.nnodes, config.master_addr,
                  config.master_port)
-        code = serve_node(config)  # the group is left and its ranks are gone: nothing else to tear down
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # without C++ static destructors: gloo's threads sometimes abort them at interpreter exit
-        # ("terminate called without an active exception", exit -6; once in a suite run here)
-        os._exit(code)
+        exit_now(serve_node(config))  # the group is left and its ranks are gone: nothing else to tear down
     os.umask(0o077)  # the socket file is private from the moment it is bound
     lock = PidLock(pid_file(endpoint))
     if not lock.acquire():

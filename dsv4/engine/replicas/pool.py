@@ -156,8 +156,8 @@ class EnginePool(RequestFront):
                 continue
             if r.error:  # joined again after it was lost
                 r.restarts += 1
-            r.host, r.pid = peer, facts.get("pid") if isinstance(facts, dict) else None
-            r.cores = list(facts.get("cores") or []) if isinstance(facts, dict) else []
+            facts = facts if isinstance(facts, dict) else {}
+            r.host, r.pid, r.cores = peer, facts.get("pid"), list(facts.get("cores") or [])
             r.attach(conn)
             log.info("engine replica %d joined from %s (pid %s); loading", index, peer, r.pid)
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from dsv4.machine import installed_version
-from dsv4.safetensors_header import read_header
+from dsv4.safetensors_header import tensor_listing
 
 log = logging.getLogger("dsv4.replicas")
 
@@ -67,10 +67,8 @@ def identity(config: Any) -> dict[str, Any]:
     tensor's name, dtype and shape: paths differ between hosts), and the settings that change
     what it computes or how requests are routed to it."""
     model = Path(config.model)
-    tensors = {f.name: sorted((n, t.get("dtype"), t.get("shape")) for n, t in read_header(f).tensors.items())
-               for f in sorted(model.glob("*.safetensors"))}
     digest = hashlib.sha256((model / "config.json").read_bytes())
-    digest.update(json.dumps(sorted(tensors.values()), default=str).encode())
+    digest.update(json.dumps(sorted(tensor_listing(model).values()), default=str).encode())
     for name in TOKENIZER_FILES:  # the daemon tokenizes; a replica detokenizes what it streams
         if (model / name).is_file():
             digest.update(name.encode() + hashlib.sha256((model / name).read_bytes()).digest())

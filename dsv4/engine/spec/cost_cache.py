@@ -27,7 +27,7 @@ import torch
 
 from dsv4.machine import installed_version
 from dsv4.private_paths import PathError, cache_home, ensure_private_cache
-from dsv4.safetensors_header import read_header
+from dsv4.safetensors_header import tensor_listing
 
 TABLES = ("verify", "verify_host", "draft", "draft_host")  # the SpecPolicy cost tables calibration fills
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
@@ -68,8 +68,7 @@ def key(config: Any, params: Any) -> str:
         "config": {f: repr(getattr(config, f, None)) for f in CONFIG_FIELDS},
         "params": repr(params),
         "model_config": hashlib.sha256((model / "config.json").read_bytes()).hexdigest(),
-        "tensors": {f.name: [(n, t.get("dtype"), t.get("shape")) for n, t in sorted(read_header(f).tensors.items())]
-                    for f in sorted(model.glob("*.safetensors"))},
+        "tensors": tensor_listing(model),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
