@@ -13,13 +13,14 @@ tok/s of each arm over the rounds, auto / best fixed K, and which K auto chose (
 its steps).
 
 `--tpot`: batch 1 instead, the issue's measurement: `--tpot-prompts` 256-token held-out
-prompts one after the other (a round's TPOT is their mean), `--gen` new tokens, greedy, temperature 0 over the model's generation_config.json (what `dsv4 run
+prompts one after the other (a round's TPOT is their mean; the arms take turns per prompt), `--gen` new tokens, greedy, temperature 0 over the model's generation_config.json (what `dsv4 run
 --temperature 0` decodes: greedy with its repetition penalty) and its default sampling;
 arms K = 0, 1, 2 (as far as the MTP depth allows) and auto with the CLI's max_num_seqs 8,
 interleaved in rotating order for `--rounds` rounds (`--fresh`: a new engine for every
 run, as `dsv4 run --local` has). Sampled runs are seeded: the same seeds for every arm of
 a round, new ones each round. Reported per arm: median time per output token (TPOT),
-auto / best fixed K, the K auto chose per step, its MTP catch-up dispatches, and its
+auto / best fixed K (as a ratio of medians, and as the median ratio of runs of the same
+prompt side by side), the K auto chose per step, its MTP catch-up dispatches, and its
 calibrated cost estimates against the ones it ends with.
 """
 
@@ -113,26 +114,34 @@ def tpot(a: argparse.Namespace) -> None:
         seqs: list[list[int]] = []
         holder["seq"] = seqs
         catch.update(n=0, pairs=0, s=0.0)
+        pairs: dict[str, list[float]] = {arm: [] for arm in names}  # TPOT by (round, prompt), every arm's
         for r in range(a.rounds):
-            for arm in names[r % len(names):] + names[:r % len(names)]:
-                tpots = []
-                for i, prompt in enumerate(prompts):
+            tpots: dict[str, list[float]] = {arm: [] for arm in names}
+            for i, prompt in enumerate(prompts):  # the arms take turns per prompt: drift spreads over all
+                turn = r * len(prompts) + i
+                for arm in names[turn % len(names):] + names[:turn % len(names)]:
                     if a.fresh:  # a new engine per run, as `dsv4 run --local` has (auto calibrates anew)
                         arms[arm] = make(arm if arm == "auto" else int(arm))
                         if arm == "auto":
                             instrument(arms[arm], holder, catch)
                     if arm == "auto":
                         seqs.append([])
-                    tpots.append(drive(arms[arm], [prompt], _seeded(params, 1000 * r + i), 1)["tpot_ms"])
-                res.setdefault((mode, arm), []).append(sum(tpots) / len(tpots))
+                    tpots[arm].append(drive(arms[arm], [prompt], _seeded(params, 1000 * r + i), 1)["tpot_ms"])
+            for arm in names:
+                res.setdefault((mode, arm), []).append(sum(tpots[arm]) / len(tpots[arm]))
+                pairs[arm].extend(tpots[arm])
         print(f"{mode}: " + ", ".join(f"K={arm} " + "/".join(f"{x:.1f}" for x in res[(mode, arm)]) for arm in names)
               + " ms/token", flush=True)
         med = {arm: sorted(res[(mode, arm)])[len(res[(mode, arm)]) // 2] for arm in names}
         fixed = min(names[1:], key=med.__getitem__)
+        # the same prompt and seed, run side by side: the median of those ratios is less moved by
+        # the machine's drift than the ratio of two medians
+        paired = sorted(f / t for f, t in zip(pairs[fixed], pairs["auto"]))
         cnt = holder["counter"]
         total = sum(cnt.values()) or 1
         print("  median ms/token: " + ", ".join(f"K={arm} {med[arm]:.2f}" for arm in names)
-              + f"; auto / best fixed (K = {fixed}), in speed: {med[fixed] / med['auto']:.3f}x")
+              + f"; auto / best fixed (K = {fixed}), in speed: {med[fixed] / med['auto']:.3f}x, "
+              f"paired {paired[len(paired) // 2]:.3f}x (median of {len(paired)} runs side by side)")
         print("  auto chose " + ", ".join(f"K={k}: {100 * n / total:.0f}%" for k, n in sorted(cnt.items()))
               + f" of {total} steps; catch-ups {catch['n']} over {catch['pairs']} pairs, {1e3 * catch['s']:.1f} ms; "
               f"K by step (first round): {''.join(map(str, seqs[0][:80]))}", flush=True)

@@ -252,14 +252,19 @@ class Runner:
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
         """Keep pairs (h_t, x_{t+1}) from t0 on for a later catch-up instead of running the MTP;
         only the last `sliding_window` pairs are kept (older ones are never read again)."""
-        if slot in self.backlog:
-            b0, bh, bt = self.backlog[slot]
-            hs, nxt = bh + hs, bt + nxt
+        entry = self.backlog.get(slot)
+        if entry is None:
+            hs, nxt = list(hs), list(nxt)
+        else:  # grown in place: a decode step adds one pair to a window's worth
+            b0, bh, bt = entry
             assert b0 + len(bt) == t0, "the MTP backlog must be contiguous"
-            t0 = b0
+            bh.extend(hs)
+            bt.extend(nxt)
+            t0, hs, nxt = b0, bh, bt
         excess = len(nxt) - self.model.cfg.sliding_window
         if excess > 0:
-            t0, nxt = t0 + excess, nxt[excess:]
+            t0 += excess
+            del nxt[:excess]
             while excess > 0:
                 if len(hs[0]) <= excess:
                     excess -= len(hs.pop(0))

@@ -247,3 +247,42 @@ def test_a_few_early_rejections_do_not_end_drafting_but_a_request_s_worth_does()
         p.observe_verify(1, int(i % 10 < 3), sampled=True)
     assert p.acceptance_of(True)[0] < 0.45 and p.choose(1, sampled=1) == 0
     assert p.acceptance_of(False)[0] == pytest.approx(0.64)  # greedy drafts' figure is untouched
+
+
+def test_probes_back_off_while_they_find_the_probed_k_far_below():
+    # K = 1 at 0.69x of K = 0: the first probe's finding may be noise, the second doubles the
+    # wait, and so on up to 2 ** max_backoff; a probe that finds it close brings the wait back
+    p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, probe_interval=10, probe_steps=3,
+                first_probe=10, max_backoff=2)
+    ks = [p.choose(1) for _ in range(300)]
+    starts = [i for i, k in enumerate(ks) if k == 1 and (i == 0 or ks[i - 1] == 0)]
+    assert [b - a for a, b in zip(starts, starts[1:])][:6] == [10, 20, 40, 40, 40, 40]
+    p.verify.calibrate(2, 9 * MS)  # K = 1 now at 0.9x of K = 0 (an undercounting calibration, say)
+    assert p.throughput(1, 1) / p.throughput(1, 0) == pytest.approx(0.9)
+    ks = [p.choose(1) for _ in range(200)]
+    starts = [i for i, k in enumerate(ks) if k == 1 and (i == 0 or ks[i - 1] == 0)]
+    assert [b - a for a, b in zip(starts, starts[1:])][1:8] == [10] * 7  # every probe_interval steps again
+    assert p.k == 0
+
+
+def test_choices_reuse_their_rates_until_something_they_depend_on_moves():
+    p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, refresh=16,
+                probe_interval=10**9, first_probe=10**9)
+    calls = 0
+    throughput = p.throughput
+
+    def counted(*a, **kw):
+        nonlocal calls
+        calls += 1
+        return throughput(*a, **kw)
+    p.throughput = counted
+    for _ in range(32):
+        p.verify.observe(1, 6 * MS)  # the level moves: not a reason to compute again
+        assert p.choose(1) == 0
+    assert calls == 2 * 2  # twice (every 16 choices), for K = 0 and 1
+    for change in (lambda: p.choose(2), lambda: p.observe_verify(1, 1), lambda: p.verify.observe(100, 600 * MS),
+                   lambda: setattr(p, "backlog_rows", 128)):
+        before = calls
+        change()
+        p.choose(1)
+        assert calls > before

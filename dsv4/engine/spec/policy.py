@@ -5,10 +5,13 @@ E_K = B * (1 + a_1 + a_1 a_2 + ... + a_1 ... a_K), cost per step C_K = verify(B(
 verify_host(B(1+K)) + draft(B, K) + overhead. Each cost is a `CostTable`: a shape from the
 startup calibration (`calibration.py`) times a level that every timed step moves.
 `choose(B)` returns the K with the highest E_K / C_K, keeping the current K unless another
-is better by `hysteresis`. Restarting drafts after K = 0 costs the MTP's catch-up over its
-backlog, spread over `horizon` steps. Probes (K - 1 or K + 1 for `probe_steps` steps after
-`probe_interval`) keep acceptance and the cost shape measured; acceptance starts from
-priors weighed as `prior_weight` drafts per depth.
+is better by `hysteresis`; the rates are computed again when what they depend on moves
+(the batch, a verified draft, the backlog's size) or every `refresh` steps. Restarting
+drafts after K = 0 costs the MTP's catch-up over its backlog, spread over `horizon` steps.
+Probes (K - 1 or K + 1 for `probe_steps` steps after `probe_interval`) keep acceptance and
+the cost shape measured; while probes keep finding the probed K below `far` of the best,
+the wait doubles (up to `max_backoff` doublings). Acceptance starts from priors weighed as
+`prior_weight` drafts per depth.
 
 Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling keeps
 the sampled distribution for any K. Details: docs/serving.md, 'dsv4/engine/spec/policy.py'.
@@ -45,15 +48,18 @@ class CostTable:
         self._recent: list[int] = []  # the counts of the last `contrast` observations
         self._contrasts: dict[int, int] = {}  # shape corrections by count
         self._xs: list[int] = []  # the counts known, sorted (choose() reads the table ~10 times a step)
+        self.version = 0  # moves when the shape is set or a count joins it (not on a level's step)
 
     def calibrate(self, n: int, seconds: float) -> None:
         self.shape[n] = seconds
         self._xs = sorted(self.shape)
+        self.version += 1
 
     def observe(self, n: int, seconds: float) -> None:
         if n not in self.shape:
             self.shape[n] = seconds / self.level
             self._xs = sorted(self.shape)
+            self.version += 1
         elif any(m != n for m in self._recent):  # a contrast: the shape (the calibration weighs as one)
             c = self._contrasts[n] = self._contrasts.get(n, 0) + 1
             self.shape[n] += max(self.alpha, 1.0 / (c + 1)) * (seconds / self.level - self.shape[n])
@@ -95,7 +101,8 @@ class SpecPolicy:
     def __init__(self, max_k: int, *, prior: tuple[float, ...] = ACCEPTANCE_PRIOR,
                  sampled_prior: tuple[float, ...] = SAMPLED_ACCEPTANCE_PRIOR, prior_weight: float = 16.0,
                  decay: float = 0.995, hysteresis: float = 0.03, probe_interval: int = 256, probe_steps: int = 4,
-                 first_probe: int = 64, horizon: int = 32):
+                 first_probe: int = 64, horizon: int = 32, refresh: int = 16, far: float = 0.85,
+                 max_backoff: int = 3):
         if max_k < 0:
             raise ValueError(f"max_k must be >= 0, got {max_k}")
         self.max_k = max_k
@@ -116,7 +123,14 @@ class SpecPolicy:
         self.decay = decay
         self.hysteresis = hysteresis
         self.probe_interval, self.probe_steps = probe_interval, probe_steps
+        self.far, self.max_backoff = far, max_backoff
+        self._far_streak = 0  # probes in a row that found the probed K below `far` of the best
         self._next_probe = first_probe  # steps at one K before the next probe (the first comes early)
+        self.refresh = refresh
+        self._verified = 0  # verified requests so far: a new one can move the acceptance
+        self._rates: list[float] = []  # tokens/s by K, as last computed, for `_rates_key`
+        self._rates_key: tuple[int, ...] | None = None
+        self._rates_age = 0  # choices that reused `_rates`
         self.k = 1 if max_k >= 1 else 0  # the K in use
         self._run = 0  # consecutive steps at this K
         self._probe_left = self._probe_k = self._probes = 0  # probe steps left, at K = _probe_k; probes so far
@@ -126,6 +140,7 @@ class SpecPolicy:
         """One request verified `drafted` drafts and accepted the first `accepted` (`sampled`:
         its drafts were drawn from the MTP's distribution, not its argmax)."""
         tried, acc = self._counts(sampled)
+        self._verified += 1
         for i in range(min(drafted, self.max_k)):
             if i > accepted:  # depth i + 1 was not reached (an earlier draft was rejected)
                 break
@@ -192,13 +207,26 @@ class SpecPolicy:
             c += self.draft(self.backlog_rows) / self.horizon
         return batch * e / c if c > 0 else 0.0
 
+    def _current_rates(self, batch: int, sampled: int) -> list[float]:
+        """Tokens/s by K (`throughput`), computed again only when the batch, the verified
+        drafts, the backlog's size (by powers of two) or the counts a cost table knows moved,
+        or `refresh` choices on: at a steady K = 0 nothing else changes faster than the cost
+        tables' moving averages."""
+        key = (batch, sampled, self._verified, self.backlog_rows.bit_length(), self.verify.version,
+               self.verify_host.version, self.draft.version, self.draft_host.version)
+        if key != self._rates_key or self._rates_age >= self.refresh:
+            self._rates = [self.throughput(batch, k, e) for k, e in enumerate(self.expected_tokens_all())]
+            self._rates_key, self._rates_age = key, 0
+        self._rates_age += 1
+        return self._rates
+
     def choose(self, batch: int, sampled: int = 0) -> int:
         """The K for the next step's drafts, for `batch` decoding requests of which `sampled`
         draw their drafts."""
         if self.max_k == 0 or batch <= 0 or not self.verify.shape:
             return self.k
         self.sampled_share = min(max(sampled, 0), batch) / batch
-        rates = [self.throughput(batch, k, e) for k, e in enumerate(self.expected_tokens_all())]
+        rates = self._current_rates(batch, sampled)
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best != self.k and rates[best] < rates[self.k] * (1 + self.hysteresis):
             best = self.k  # not better by enough: keep the current K
@@ -206,7 +234,12 @@ class SpecPolicy:
         if self._probe_left == 0 and self._run >= self._next_probe:
             down = best == self.max_k or (best > 0 and self._probes % 2 == 0)  # K - 1 and K + 1 in turn
             self._probe_k, self._probes = best - 1 if down else best + 1, self._probes + 1
-            self._probe_left, self._run, self._next_probe = self.probe_steps, 0, self.probe_interval
+            # the estimate this probe starts from has the last probe's timings: two far findings
+            # in a row (not one, which may be noise) double the wait after this probe
+            far = rates[self._probe_k] < self.far * rates[best]
+            self._far_streak = self._far_streak + 1 if far else 0
+            wait = self.probe_interval << min(max(self._far_streak - 1, 0), self.max_backoff)
+            self._probe_left, self._run, self._next_probe = self.probe_steps, 0, wait
         self.k = best
         if self._probe_left > 0:  # the K the policy believes in stays; this step probes
             self._probe_left -= 1
