@@ -161,3 +161,47 @@ def test_the_identity_names_what_differs() -> None:
 def test_an_address_not_of_this_host_is_one_line() -> None:
     with pytest.raises(OSError, match="--data-parallel-address 192.0.2.7 --data-parallel-rpc-port 1: cannot listen"):
         remote.JoinDesk("192.0.2.7", 1, KEY)
+
+
+def test_a_remote_replica_that_sends_half_a_message_holds_up_only_its_own_reader():
+    """The pool reads a remote replica through a thread of its own: half a message leaves
+    `message()` answering None at once (the pool's loop goes on), the rest delivers it, and
+    an oversized or unreadable message, or the link's end, is reported, not waited on."""
+    import struct
+
+    from dsv4.engine.replicas.slot import MAX_REMOTE_MESSAGE, Replica, Unreadable
+
+    ours, theirs = socket.socketpair()
+    r = Replica(index=1, cores=[], remote=True)
+    r.attach(Connection(ours.detach()))
+    whole = pickle.dumps(("beat", {"running": 1}))
+    frame = struct.pack("!i", len(whole)) + whole
+    theirs.sendall(frame[:7])  # half a message, then silence
+    t = time.monotonic()
+    assert r.message() is None and time.monotonic() - t < 0.5
+    theirs.sendall(frame[7:])
+    assert _next(r) == ("beat", {"running": 1})
+    bad = b"not a pickle"
+    theirs.sendall(struct.pack("!i", len(bad)) + bad)
+    with pytest.raises(Unreadable):
+        _next(r)
+    theirs.sendall(struct.pack("!i", -1) + struct.pack("!Q", MAX_REMOTE_MESSAGE + 1))  # a length over the limit
+    with pytest.raises(OSError):
+        _next(r)
+    r.cut()
+    r.sender.join(5)
+    assert not r.sender.is_alive()  # its reader ended, then the link was closed
+    theirs.close()
+
+
+def _next(r, wait_s: float = 5.0):
+    """The replica's next message, as the pool's loop gets it: waiting on `waitable` first."""
+    from multiprocessing.connection import wait
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        wait([r.waitable], deadline - time.monotonic())
+        msg = r.message()
+        if msg is not None:
+            return msg
+    raise AssertionError("no message")

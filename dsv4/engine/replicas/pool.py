@@ -42,7 +42,7 @@ from dsv4.engine.metrics import EngineMetrics, RequestMetrics
 from dsv4.engine.replicas.cores import cores_of, span
 from dsv4.engine.replicas.remote import JoinDesk, differs, identity
 from dsv4.engine.replicas.router import PIECE_TOKENS, Router
-from dsv4.engine.replicas.slot import Replica, Sent
+from dsv4.engine.replicas.slot import Replica, Sent, Unreadable
 from dsv4.engine.replicas.worker import replica_config, replica_main
 from dsv4.engine.request import FINISH_ERROR, RequestOutput
 from dsv4.engine.scheduler import check_prompt
@@ -180,7 +180,7 @@ class EnginePool(RequestFront):
         """Take what the replicas sent (waiting up to `timeout`), notice deaths and silences."""
         self._admit()
         live = [r for r in self.replicas if r.state in ("starting", "serving")]
-        waits = {r.conn: r for r in live} | {r.proc.sentinel: r for r in live if not r.remote}
+        waits = {r.waitable: r for r in live} | {r.proc.sentinel: r for r in live if not r.remote}
         for ready in wait(list(waits), timeout) if waits else []:
             r = waits[ready]
             if r.state in ("starting", "serving"):
@@ -196,16 +196,13 @@ class EnginePool(RequestFront):
 
     def _drain(self, r: Replica) -> None:
         try:
-            while r.state in ("starting", "serving") and r.conn.poll():
+            while r.state in ("starting", "serving"):
                 try:
-                    msg = r.conn.recv()
-                except (EOFError, OSError):
-                    raise
-                except Exception as e:  # noqa: BLE001  (unpicklable: only another host's can send that)
-                    if not r.remote:
-                        raise
-                    self._lost(r, f"on {r.host} sent what this daemon cannot read ({type(e).__name__}: {e})",
-                               resend=True)
+                    msg = r.message()
+                except Unreadable as e:  # only another host's can send that
+                    self._lost(r, f"on {r.host} sent what this daemon cannot read ({e})", resend=True)
+                    return
+                if msg is None:
                     return
                 self._take(r, msg)
         except (EOFError, OSError):

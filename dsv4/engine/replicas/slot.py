@@ -3,12 +3,19 @@ requests it holds, what it last reported) and one request it was sent (`Sent`)."
 
 from __future__ import annotations
 
+import pickle
 import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+MAX_REMOTE_MESSAGE = 1 << 30  # bytes: a longer message from another host's replica loses that replica
+
+
+class Unreadable(Exception):
+    """A message from another host's replica that this daemon cannot unpickle."""
 
 
 @dataclass
@@ -22,6 +29,11 @@ class Replica:
     conn: Any = None
     outbox: "queue.Queue[bytes | None]" = field(default_factory=queue.Queue)  # its sender thread's
     sender: threading.Thread | None = None
+    # a remote one's messages are read whole by a thread of its own (a host that sends half a
+    # message holds up only that thread): the messages, then the error that ended the link;
+    # `wake` is readable while the inbox may hold some (the pool waits on it)
+    inbox: "queue.Queue[bytes | BaseException]" = field(default_factory=queue.Queue)
+    wake: socket.socket | None = None
     # starting, serving, dead (restarts used up), stopped; away: a remote one not joined (again) yet
     state: str = "starting"
     restarts: int = 0
@@ -37,9 +49,43 @@ class Replica:
         from a thread of its own: a busy or frozen replica never holds up the pool."""
         self.conn, self.outbox, self.state, self.heard, self.counters, self.crash = (
             conn, queue.Queue(), "starting", time.monotonic(), {}, "")
-        self.sender = threading.Thread(target=_sender, args=(conn, self.outbox), name=f"dsv4-replica-{self.index}-send",
-                                       daemon=True)
+        receiver = None
+        if self.remote:
+            self.inbox, (self.wake, signal) = queue.Queue(), socket.socketpair()
+            self.wake.setblocking(False)
+            signal.setblocking(False)
+            receiver = threading.Thread(target=_receiver, args=(conn, self.inbox, signal),
+                                        name=f"dsv4-replica-{self.index}-recv", daemon=True)
+            receiver.start()
+        self.sender = threading.Thread(target=_sender, args=(conn, self.outbox, receiver),
+                                       name=f"dsv4-replica-{self.index}-send", daemon=True)
         self.sender.start()
+
+    @property
+    def waitable(self) -> Any:
+        """What the pool waits on for its messages: its pipe, or a remote one's `wake`."""
+        return self.wake if self.remote else self.conn
+
+    def message(self) -> tuple | None:
+        """Its next message, or None when none has arrived whole. Raises EOFError or OSError
+        when its connection ended, `Unreadable` for a remote message that does not unpickle."""
+        if not self.remote:
+            return self.conn.recv() if self.conn.poll() else None
+        try:  # the wake bytes first: one written after this comes with a message still queued
+            while self.wake.recv(4096):
+                pass
+        except OSError:  # nothing more to read (or closed)
+            pass
+        try:
+            item = self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        try:
+            return pickle.loads(item)
+        except Exception as e:  # noqa: BLE001  (another host's bytes: anything may fail)
+            raise Unreadable(f"{type(e).__name__}: {e}") from None
 
     def cut(self) -> None:
         """Stop talking to it: the connection is shut down now (a send blocked on it fails,
@@ -53,6 +99,8 @@ class Replica:
         except (OSError, ValueError):
             pass  # not a socket, or gone already
         self.outbox.put(None)
+        if self.wake is not None:
+            self.wake.close()
 
     def row(self, routed: dict[str, int]) -> dict[str, Any]:
         """Its line of the pool's status."""
@@ -72,10 +120,11 @@ class Sent:
 
 
 
-def _sender(conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
+def _sender(conn: Any, outbox: "queue.Queue[bytes | None]", receiver: threading.Thread | None) -> None:
     """Send what the pool queued for one replica, in order, until None; then close the
-    connection (only here: the pool stops reading it before it queues None, so its
-    descriptor cannot be reused while either thread still uses it)."""
+    connection (only here, once its `receiver` has ended: the pool stops reading it and shuts
+    it down before it queues None, so its descriptor cannot be reused while a thread still
+    uses it)."""
     broken = False
     while (data := outbox.get()) is not None:
         if not broken:
@@ -83,4 +132,25 @@ def _sender(conn: Any, outbox: "queue.Queue[bytes | None]") -> None:
                 conn.send_bytes(data)
             except (OSError, ValueError):
                 broken = True  # it died: the pool's next pump finds out
+    if receiver is not None:
+        receiver.join()  # the shutdown ended its read
     conn.close()
+
+
+def _receiver(conn: Any, inbox: "queue.Queue[bytes | BaseException]", signal: socket.socket) -> None:
+    """Read a remote replica's messages whole into `inbox`, a byte on `signal` after each,
+    until its link ends; then the error that ended it."""
+    def ring() -> None:
+        try:
+            signal.send(b"\0")
+        except OSError:  # full (a byte waits already), or the pool closed its end
+            pass
+    try:
+        while True:
+            inbox.put(conn.recv_bytes(MAX_REMOTE_MESSAGE))
+            ring()
+    except Exception as e:  # noqa: BLE001  (EOFError, OSError: closed, cut, too long)
+        inbox.put(e)
+        ring()
+    finally:
+        signal.close()
