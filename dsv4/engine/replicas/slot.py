@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_REMOTE_MESSAGE = 1 << 30  # bytes: a longer message from another host's replica loses that replica
+LINGER_S = 5.0  # a remote replica told to stop has this long to close its end before ours closes
 
 
 class Unreadable(Exception):
@@ -90,14 +91,7 @@ class Replica:
     def cut(self) -> None:
         """Stop talking to it: the connection is shut down now (a send blocked on it fails,
         a remote replica sees its end close) and closed by its sender thread."""
-        try:
-            s = socket.socket(fileno=self.conn.fileno())
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            finally:
-                s.detach()
-        except (OSError, ValueError):
-            pass  # not a socket, or gone already
+        _shutdown(self.conn)
         self.outbox.put(None)
         if self.wake is not None:
             self.wake.close()
@@ -122,9 +116,8 @@ class Sent:
 
 def _sender(conn: Any, outbox: "queue.Queue[bytes | None]", receiver: threading.Thread | None) -> None:
     """Send what the pool queued for one replica, in order, until None; then close the
-    connection (only here, once its `receiver` has ended: the pool stops reading it and shuts
-    it down before it queues None, so its descriptor cannot be reused while a thread still
-    uses it)."""
+    connection (only here, once its `receiver` has ended: the pool stops reading it before it
+    queues None, so its descriptor cannot be reused while a thread still uses it)."""
     broken = False
     while (data := outbox.get()) is not None:
         if not broken:
@@ -132,9 +125,25 @@ def _sender(conn: Any, outbox: "queue.Queue[bytes | None]", receiver: threading.
                 conn.send_bytes(data)
             except (OSError, ValueError):
                 broken = True  # it died: the pool's next pump finds out
-    if receiver is not None:
-        receiver.join()  # the shutdown ended its read
+    if receiver is not None:  # closed with nothing unread, so that what was sent (a stop) arrives
+        _shutdown(conn, socket.SHUT_WR)  # after it, our end: the replica stops and closes its end
+        receiver.join(LINGER_S)  # which ends the reader (at once after `cut`)
+        _shutdown(conn)
+        receiver.join()
     conn.close()
+
+
+def _shutdown(conn: Any, how: int = socket.SHUT_RDWR) -> None:
+    """Shut `conn`'s socket down (both ways: a blocked send or read on it ends); a pipe, or a
+    connection closed already, is left alone."""
+    try:
+        s = socket.socket(fileno=conn.fileno())
+        try:
+            s.shutdown(how)
+        finally:
+            s.detach()
+    except (OSError, ValueError):
+        pass
 
 
 def _receiver(conn: Any, inbox: "queue.Queue[bytes | BaseException]", signal: socket.socket) -> None:
