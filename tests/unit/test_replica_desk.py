@@ -205,3 +205,35 @@ def _next(r, wait_s: float = 5.0):
         if msg is not None:
             return msg
     raise AssertionError("no message")
+
+
+def test_a_joiner_told_to_stop_while_it_loads_exits_0_at_once():
+    """Another host's replica that node 0 stops before it serves (it is still loading, here a
+    sleep) exits 0 with one line, without finishing the load; once serving, a stop is the
+    serving loop's to take (the process goes on)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    child = textwrap.dedent('''
+        import socket, sys, time
+        from multiprocessing.connection import Connection
+        from dsv4.engine.replicas.worker import _Link
+        link = _Link(Connection(int(sys.argv[1])), gone="dsv4: engine replica 1: the daemon at 10.0.0.1:29600")
+        if sys.argv[2] == "serving":
+            link.serving.set()
+        time.sleep(3)  # loading
+        print("loaded", link.inbox.get_nowait()[0])
+    ''')
+    for state, code, out, err in (("loading", 0, "", "the daemon at 10.0.0.1:29600 stopped it while it loaded"),
+                                  ("serving", 0, "loaded stop", "")):
+        ours, theirs = socket.socketpair()
+        proc = subprocess.Popen([sys.executable, "-c", child, str(theirs.fileno()), state], pass_fds=[theirs.fileno()],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        theirs.close()
+        t = time.monotonic()
+        Connection(ours.detach()).send(("stop",))
+        stdout, stderr = proc.communicate(timeout=30)
+        assert proc.returncode == code and stdout.strip() == out and err in stderr, (stdout, stderr)
+        if state == "loading":
+            assert time.monotonic() - t < 2.5 and stderr.count("\n") == 1  # before the load ends; one line

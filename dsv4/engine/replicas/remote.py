@@ -285,7 +285,7 @@ def join(config: Any, key: str) -> int:
     old = signal.signal(signal.SIGTERM, _interrupt)  # a service manager's stop: close the engine, exit 0
     try:
         return replica_main(rank, replica_config(config, rank), cores, conn,
-                            gone=f"dsv4: engine replica {rank}: the daemon at {where} went away")
+                            gone=f"dsv4: engine replica {rank}: the daemon at {where}")
     except KeyboardInterrupt:
         print(f"dsv4: engine replica {rank}: stopped here; node 0 sends its requests elsewhere", file=sys.stderr)
         return 0

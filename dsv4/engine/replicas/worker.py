@@ -34,10 +34,13 @@ IDLE_WAIT_S = 0.25  # how long an idle loop blocks on its inbox
 
 
 class _Link:
-    """The replica's end of the pipe: one lock over its sends, a reader thread filling `inbox`."""
+    """The replica's end of the pipe: one lock over its sends, a reader thread filling `inbox`.
+    Another host's replica told to stop before it serves (while it loads) exits 0 at once:
+    node 0 is going, and no one will read what it loads for."""
 
     def __init__(self, conn: Any, gone: str | None = None) -> None:
         self.conn, self.lock, self.inbox, self.gone = conn, threading.Lock(), queue.Queue(), gone
+        self.serving = threading.Event()  # set once "ready" is sent
         threading.Thread(target=self._read, name="dsv4-replica-reader", daemon=True).start()
 
     def _read(self) -> None:
@@ -46,10 +49,13 @@ class _Link:
                 msg = self.conn.recv()
                 self.inbox.put(msg)
                 if msg[0] == "stop":
+                    if self.gone and not self.serving.is_set():
+                        print(f"{self.gone} stopped it while it loaded", file=sys.stderr, flush=True)
+                        os._exit(0)
                     return
         except (EOFError, OSError):
             if self.gone:
-                print(self.gone, file=sys.stderr, flush=True)
+                print(f"{self.gone} went away", file=sys.stderr, flush=True)
             os._exit(3)  # the daemon is gone
 
     def send(self, msg: tuple) -> None:
@@ -68,8 +74,9 @@ def replica_config(config: Any, index: int) -> Any:
 
 def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str | None = None) -> int:
     """Entry point of replica `index` (spawned, or a host joining: `remote.join`): pin to
-    `cores`, load, serve until "stop" (0; 1 when it could not start). `gone`: the line
-    printed when the daemon's end closes (the process then exits 3)."""
+    `cores`, load, serve until "stop" (0; 1 when it could not start). `gone` (another host's
+    replica): how its lines name the daemon, "... went away" when the daemon's end closes (the
+    process then exits 3)."""
     if gone is None:  # spawned: Ctrl-C reaches the whole group, and the daemon stops us in order
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -92,6 +99,7 @@ def replica_main(index: int, config: Any, cores: list[int], conn: Any, gone: str
         link.send(("ready", {"weight_bytes": engine.weight_bytes, "quant_note": engine.quant_note,
                              "compile_note": engine.compile_note, "calibration_note": engine.calibration_note,
                              "status": engine.status()}))
+        link.serving.set()
         stop = threading.Event()
         threading.Thread(target=_beat, args=(engine, link, stop), name="dsv4-replica-beat", daemon=True).start()
         _serve(engine, link)
