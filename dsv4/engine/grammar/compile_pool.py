@@ -273,26 +273,30 @@ class _Worker:
                     self._start()
                 except (EOFError, OSError, TimeoutError) as e:
                     self._terminate()
-                    log.warning("grammar worker did not start: %s: %s", type(e).__name__, e)
+                    if not self._stopped:
+                        log.warning("grammar worker did not start: %s: %s", type(e).__name__, e)
 
     def _compile(self, job: _Job, slice_s: float) -> tuple[str, Any]:
         try:
             if not self.alive:
                 self._start()
-            assert self._conn is not None
-            self._conn.send(("compile", job.spec, self.lane == "small"))
+            conn = self._conn  # `stop` (another thread) may clear it: this one's calls then fail as closed
+            if conn is None:
+                raise OSError("the grammar worker was stopped")
+            conn.send(("compile", job.spec, self.lane == "small"))
             deadline = time.monotonic() + slice_s
-            while not self._conn.poll(0.05):
+            while not conn.poll(0.05):
                 if self._kill.is_set():
                     self._terminate()
                     return "killed", None
                 if time.monotonic() > deadline:
                     self._terminate()
                     return ("slice" if self.lane == "small" else "timeout"), None
-            status, payload = self._conn.recv()
+            status, payload = conn.recv()
         except (EOFError, OSError, TimeoutError) as e:
             self._terminate()
-            log.warning("grammar worker failed: %s: %s", type(e).__name__, e)
+            if not self._stopped:
+                log.warning("grammar worker failed: %s: %s", type(e).__name__, e)
             return "crashed", f"{job.what}: the grammar compiler failed ({type(e).__name__}); see the daemon's log"
         if status != "ok":
             return status, payload  # "err" (one line) or "heavy"
@@ -312,9 +316,9 @@ class _Worker:
                                           stdout=subprocess.DEVNULL, env=env)
         finally:
             theirs.close()
-        self._conn = Connection(ours.detach())
-        self._conn.send(self.pool._info[0])
-        if not self._conn.poll(START_TIMEOUT_S) or self._conn.recv() != "ready":
+        conn = self._conn = Connection(ours.detach())  # ours: `stop` may clear self._conn meanwhile
+        conn.send(self.pool._info[0])
+        if not conn.poll(START_TIMEOUT_S) or conn.recv() != "ready":
             raise TimeoutError(f"no answer from the grammar worker within {START_TIMEOUT_S:.0f} s")
 
     def _terminate(self) -> None:
