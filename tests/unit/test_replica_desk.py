@@ -17,6 +17,7 @@ import pytest
 from dsv4 import DEFAULT_MODEL
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.replicas import remote
+from dsv4.engine.replicas.slot import Replica
 
 KEY = "the-shared-secret"
 
@@ -163,13 +164,13 @@ def test_an_address_not_of_this_host_is_one_line() -> None:
         remote.JoinDesk("192.0.2.7", 1, KEY)
 
 
-def test_a_remote_replica_that_sends_half_a_message_holds_up_only_its_own_reader():
+def test_a_remote_replica_that_sends_half_a_message_holds_up_only_its_own_reader() -> None:
     """The pool reads a remote replica through a thread of its own: half a message leaves
     `message()` answering None at once (the pool's loop goes on), the rest delivers it, and
     an oversized or unreadable message, or the link's end, is reported, not waited on."""
     import struct
 
-    from dsv4.engine.replicas.slot import MAX_REMOTE_MESSAGE, Replica, Unreadable
+    from dsv4.engine.replicas.slot import MAX_REMOTE_MESSAGE, Unreadable
 
     ours, theirs = socket.socketpair()
     r = Replica(index=1, cores=[], remote=True)
@@ -194,20 +195,18 @@ def test_a_remote_replica_that_sends_half_a_message_holds_up_only_its_own_reader
     theirs.close()
 
 
-def _next(r, wait_s: float = 5.0):
-    """The replica's next message, as the pool's loop gets it: waiting on `waitable` first."""
+def _next(r: Replica, wait_s: float = 2.0) -> tuple:
+    """The replica's next message, as the pool's loop gets it: `waitable` must wake it (the
+    reader rings for each message) within `wait_s`."""
     from multiprocessing.connection import wait
 
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        wait([r.waitable], deadline - time.monotonic())
-        msg = r.message()
-        if msg is not None:
-            return msg
-    raise AssertionError("no message")
+    assert wait([r.waitable], wait_s), "the reader did not ring"
+    msg = r.message()
+    assert msg is not None
+    return msg
 
 
-def test_a_joiner_told_to_stop_while_it_loads_exits_0_at_once():
+def test_a_joiner_told_to_stop_while_it_loads_exits_0_at_once() -> None:
     """Another host's replica that node 0 stops before it serves (it is still loading, here a
     sleep) exits 0 with one line, without finishing the load; once serving, a stop is the
     serving loop's to take (the process goes on)."""
@@ -222,6 +221,7 @@ def test_a_joiner_told_to_stop_while_it_loads_exits_0_at_once():
         link = _Link(Connection(int(sys.argv[1])), gone="dsv4: engine replica 1: the daemon at 10.0.0.1:29600")
         if sys.argv[2] == "serving":
             link.serving.set()
+        link.send(("up",))
         time.sleep(3)  # loading
         print("loaded", link.inbox.get_nowait()[0])
     ''')
@@ -231,9 +231,37 @@ def test_a_joiner_told_to_stop_while_it_loads_exits_0_at_once():
         proc = subprocess.Popen([sys.executable, "-c", child, str(theirs.fileno()), state], pass_fds=[theirs.fileno()],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         theirs.close()
+        node0 = Connection(ours.detach())
+        assert node0.poll(30) and node0.recv() == ("up",)
         t = time.monotonic()
-        Connection(ours.detach()).send(("stop",))
+        node0.send(("stop",))
         stdout, stderr = proc.communicate(timeout=30)
         assert proc.returncode == code and stdout.strip() == out and err in stderr, (stdout, stderr)
         if state == "loading":
             assert time.monotonic() - t < 2.5 and stderr.count("\n") == 1  # before the load ends; one line
+
+
+def test_a_remote_replica_told_to_stop_gets_the_stop_and_its_link_closes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As `close` stops a remote replica: the stop arrives whole; the link closes once the
+    replica closes its end, or LINGER_S later when it says nothing; its reader ends either way."""
+    from dsv4.engine.replicas import slot
+
+    monkeypatch.setattr(slot, "LINGER_S", 1.0)
+    for peer_closes in (True, False):
+        ours, theirs = socket.socketpair()
+        r = Replica(index=1, cores=[], remote=True)
+        r.attach(Connection(ours.detach()))
+        peer = Connection(theirs.detach())
+        t = time.monotonic()
+        r.outbox.put(pickle.dumps(("stop",)))
+        r.outbox.put(None)
+        r.close_wake()
+        assert peer.poll(2) and peer.recv() == ("stop",)
+        if peer_closes:
+            peer.close()
+        r.sender.join(5)
+        took = time.monotonic() - t
+        assert not r.sender.is_alive() and (took < 0.9 if peer_closes else 0.9 <= took < 3), took
+        if not peer_closes:
+            assert peer.poll(1) and pytest.raises(EOFError, peer.recv)  # our end closed
+            peer.close()

@@ -249,7 +249,7 @@ def test_a_few_early_rejections_do_not_end_drafting_but_a_request_s_worth_does()
     assert p.acceptance_of(False)[0] == pytest.approx(0.64)  # greedy drafts' figure is untouched
 
 
-def test_probes_back_off_while_they_find_the_probed_k_far_below():
+def test_probes_back_off_while_they_find_the_probed_k_far_below() -> None:
     # K = 1 at 0.69x of K = 0: the first probe's finding may be noise, the second doubles the
     # wait, and so on up to 2 ** max_backoff; a probe that finds it close brings the wait back
     p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, probe_interval=10, probe_steps=3,
@@ -263,11 +263,20 @@ def test_probes_back_off_while_they_find_the_probed_k_far_below():
     starts = [i for i, k in enumerate(ks) if k == 1 and (i == 0 or ks[i - 1] == 0)]
     assert [b - a for a, b in zip(starts, starts[1:])][1:8] == [10] * 7  # every probe_interval steps again
     assert p.k == 0
+    for _ in range(3 * 40):  # far below again: back to waiting 40 steps
+        p.verify.calibrate(2, 20 * MS)
+        p.choose(1)
+    p.verify.calibrate(2, 6.2 * MS)  # now K = 1 is the best: its neighbour K = 0 is probed 10 steps on
+    ks = [p.choose(1) for _ in range(12)]
+    assert ks[0] == 1 and p.k == 1 and 0 in ks[9:12]
 
 
-def test_choices_reuse_their_rates_until_something_they_depend_on_moves():
+def test_choices_reuse_their_rates_until_something_they_depend_on_moves() -> None:
     p = _policy(lambda n: 6 * MS * n, lambda n: 1 * MS, (0.5,), max_k=1, refresh=16,
                 probe_interval=10**9, first_probe=10**9)
+    for _ in range(4):  # past the helper's other counts: these are level steps, not contrasts
+        p.verify.observe(1, 6 * MS)
+    assert p.choose(1) == 0
     calls = 0
     throughput = p.throughput
 

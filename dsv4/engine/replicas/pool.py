@@ -383,6 +383,7 @@ class EnginePool(RequestFront):
                 r.outbox.put(pickle.dumps(("stop",)))
                 r.outbox.put(None)
             r.state = "stopped"
+            r.close_wake()
         for r in self.replicas:  # another host's: its stop is sent before we go
             if r.remote and r.sender is not None:
                 r.sender.join(STOP_WAIT_S)

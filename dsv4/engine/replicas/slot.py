@@ -13,6 +13,7 @@ from typing import Any
 
 MAX_REMOTE_MESSAGE = 1 << 30  # bytes: a longer message from another host's replica loses that replica
 LINGER_S = 5.0  # a remote replica told to stop has this long to close its end before ours closes
+INBOX_MESSAGES = 64  # a remote replica's messages read ahead of the pool, at most
 
 
 class Unreadable(Exception):
@@ -35,6 +36,7 @@ class Replica:
     # `wake` is readable while the inbox may hold some (the pool waits on it)
     inbox: "queue.Queue[bytes | BaseException]" = field(default_factory=queue.Queue)
     wake: socket.socket | None = None
+    unread: threading.Event = field(default_factory=threading.Event)  # set: the pool reads it no more
     # starting, serving, dead (restarts used up), stopped; away: a remote one not joined (again) yet
     state: str = "starting"
     restarts: int = 0
@@ -52,10 +54,11 @@ class Replica:
             conn, queue.Queue(), "starting", time.monotonic(), {}, "")
         receiver = None
         if self.remote:
-            self.inbox, (self.wake, signal) = queue.Queue(), socket.socketpair()
+            self.inbox, (self.wake, bell) = queue.Queue(INBOX_MESSAGES), socket.socketpair()
             self.wake.setblocking(False)
-            signal.setblocking(False)
-            receiver = threading.Thread(target=_receiver, args=(conn, self.inbox, signal),
+            bell.setblocking(False)
+            self.unread = threading.Event()
+            receiver = threading.Thread(target=_receiver, args=(conn, self.inbox, bell, self.unread),
                                         name=f"dsv4-replica-{self.index}-recv", daemon=True)
             receiver.start()
         self.sender = threading.Thread(target=_sender, args=(conn, self.outbox, receiver),
@@ -93,8 +96,15 @@ class Replica:
         a remote replica sees its end close) and closed by its sender thread."""
         _shutdown(self.conn)
         self.outbox.put(None)
+        self.close_wake()
+
+    def close_wake(self) -> None:
+        """The pool reads no more from a remote one: its reader stops waiting for room, and
+        `wake` is closed (the reader's bell then rings nowhere)."""
+        self.unread.set()
         if self.wake is not None:
             self.wake.close()
+            self.wake = None
 
     def row(self, routed: dict[str, int]) -> dict[str, Any]:
         """Its line of the pool's status."""
@@ -146,20 +156,33 @@ def _shutdown(conn: Any, how: int = socket.SHUT_RDWR) -> None:
         pass
 
 
-def _receiver(conn: Any, inbox: "queue.Queue[bytes | BaseException]", signal: socket.socket) -> None:
-    """Read a remote replica's messages whole into `inbox`, a byte on `signal` after each,
-    until its link ends; then the error that ended it."""
+def _receiver(conn: Any, inbox: "queue.Queue[bytes | BaseException]", bell: socket.socket,
+              unread: threading.Event) -> None:
+    """Read a remote replica's messages whole into `inbox` (bounded: a host that sends faster
+    than the pool reads waits, as TCP made it before), a byte on `bell` after each, until
+    its link ends; then the error that ended it, as EOFError or OSError (what the pool takes
+    as the link's end). Once `unread` is set (the pool reads no more) nothing waits for room."""
+    def put(item: "bytes | BaseException") -> None:
+        while not unread.is_set():
+            try:
+                inbox.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
     def ring() -> None:
         try:
-            signal.send(b"\0")
+            bell.send(b"\0")
         except OSError:  # full (a byte waits already), or the pool closed its end
             pass
     try:
-        while True:
-            inbox.put(conn.recv_bytes(MAX_REMOTE_MESSAGE))
+        while not unread.is_set():
+            put(conn.recv_bytes(MAX_REMOTE_MESSAGE))
             ring()
-    except Exception as e:  # noqa: BLE001  (EOFError, OSError: closed, cut, too long)
-        inbox.put(e)
-        ring()
+    except (EOFError, OSError) as e:  # closed, cut, too long
+        put(e)
+    except Exception as e:  # noqa: BLE001  (MemoryError, ...: this link ends, not the daemon)
+        put(OSError(f"{type(e).__name__}: {e}"))
     finally:
-        signal.close()
+        ring()
+        bell.close()

@@ -6,11 +6,13 @@ verify_host(B(1+K)) + draft(B, K) + overhead. Each cost is a `CostTable`: a shap
 startup calibration (`calibration.py`) times a level that every timed step moves.
 `choose(B)` returns the K with the highest E_K / C_K, keeping the current K unless another
 is better by `hysteresis`; the rates are computed again when what they depend on moves
-(the batch, a verified draft, the backlog's size) or every `refresh` steps. Restarting
+(the batch, a verified draft, the backlog's size, a cost table's shape) or every
+`refresh` steps. Restarting
 drafts after K = 0 costs the MTP's catch-up over its backlog, spread over `horizon` steps.
 Probes (K - 1 or K + 1 for `probe_steps` steps after `probe_interval`) keep acceptance and
-the cost shape measured; while probes keep finding the probed K below `far` of the best,
-the wait doubles (up to `max_backoff` doublings). Acceptance starts from priors weighed as
+the cost shape measured; while probes keep finding the probed K below `far` of the best
+(judged once each probe's steps are timed), the wait doubles (up to `max_backoff`
+doublings; a new K starts again at `probe_interval`). Acceptance starts from priors weighed as
 `prior_weight` drafts per depth.
 
 Nothing here changes outputs: greedy tokens do not depend on K, and rejection sampling keeps
@@ -48,7 +50,7 @@ class CostTable:
         self._recent: list[int] = []  # the counts of the last `contrast` observations
         self._contrasts: dict[int, int] = {}  # shape corrections by count
         self._xs: list[int] = []  # the counts known, sorted (choose() reads the table ~10 times a step)
-        self.version = 0  # moves when the shape is set or a count joins it (not on a level's step)
+        self.version = 0  # moves when the shape moves (set, a count joins, a contrast), not the level
 
     def calibrate(self, n: int, seconds: float) -> None:
         self.shape[n] = seconds
@@ -63,6 +65,7 @@ class CostTable:
         elif any(m != n for m in self._recent):  # a contrast: the shape (the calibration weighs as one)
             c = self._contrasts[n] = self._contrasts.get(n, 0) + 1
             self.shape[n] += max(self.alpha, 1.0 / (c + 1)) * (seconds / self.level - self.shape[n])
+            self.version += 1
         else:  # the level: its first observations average plainly, then a moving average
             self.observed += 1
             self.level += max(self.alpha, 1.0 / self.observed) * (seconds / self.shape[n] - self.level)
@@ -125,6 +128,7 @@ class SpecPolicy:
         self.probe_interval, self.probe_steps = probe_interval, probe_steps
         self.far, self.max_backoff = far, max_backoff
         self._far_streak = 0  # probes in a row that found the probed K below `far` of the best
+        self._judge = False  # the last probe step was returned: the next choice judges the probe
         self._next_probe = first_probe  # steps at one K before the next probe (the first comes early)
         self.refresh = refresh
         self._verified = 0  # verified requests so far: a new one can move the acceptance
@@ -209,10 +213,10 @@ class SpecPolicy:
 
     def _current_rates(self, batch: int, sampled: int) -> list[float]:
         """Tokens/s by K (`throughput`), computed again only when the batch, the verified
-        drafts, the backlog's size (by powers of two) or the counts a cost table knows moved,
-        or `refresh` choices on: at a steady K = 0 nothing else changes faster than the cost
-        tables' moving averages."""
-        key = (batch, sampled, self._verified, self.backlog_rows.bit_length(), self.verify.version,
+        drafts, the backlog's size or a cost table's shape moved, or `refresh` choices on: at
+        a steady K = 0 (every window of the backlog full) only the cost tables' levels move,
+        and slowly (moving averages)."""
+        key = (batch, sampled, self._verified, self.backlog_rows, self.verify.version,
                self.verify_host.version, self.draft.version, self.draft_host.version)
         if key != self._rates_key or self._rates_age >= self.refresh:
             self._rates = [self.throughput(batch, k, e) for k, e in enumerate(self.expected_tokens_all())]
@@ -230,18 +234,24 @@ class SpecPolicy:
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         if best != self.k and rates[best] < rates[self.k] * (1 + self.hysteresis):
             best = self.k  # not better by enough: keep the current K
-        self._run = self._run + 1 if best == self.k else 1
+        if best != self.k:  # a new K: its neighbours are probed at the usual interval
+            self._run, self._far_streak = 1, 0
+            self._next_probe = min(self._next_probe, self.probe_interval)
+        else:
+            self._run += 1
+        if self._judge:  # the probe's steps are timed now: what it found sets the wait for the next
+            self._judge = False
+            far = rates[self._probe_k] < self.far * rates[best]
+            self._far_streak = self._far_streak + 1 if far else 0
+            # two far findings in a row (not one: noise) double the wait, and so on
+            self._next_probe = self.probe_interval << min(max(self._far_streak - 1, 0), self.max_backoff)
         if self._probe_left == 0 and self._run >= self._next_probe:
             down = best == self.max_k or (best > 0 and self._probes % 2 == 0)  # K - 1 and K + 1 in turn
             self._probe_k, self._probes = best - 1 if down else best + 1, self._probes + 1
-            # the estimate this probe starts from has the last probe's timings: two far findings
-            # in a row (not one, which may be noise) double the wait after this probe
-            far = rates[self._probe_k] < self.far * rates[best]
-            self._far_streak = self._far_streak + 1 if far else 0
-            wait = self.probe_interval << min(max(self._far_streak - 1, 0), self.max_backoff)
-            self._probe_left, self._run, self._next_probe = self.probe_steps, 0, wait
+            self._probe_left, self._run, self._next_probe = self.probe_steps, 0, self.probe_interval
         self.k = best
         if self._probe_left > 0:  # the K the policy believes in stays; this step probes
             self._probe_left -= 1
+            self._judge = self._probe_left == 0
             return self._probe_k
         return best
