@@ -46,8 +46,9 @@ def _best(fn, repeats: int) -> float:
 @torch.inference_mode()
 def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: int = 4) -> None:
     """Fill the shapes of `runner.policy`'s cost tables (module docstring): each dispatch
-    the mean of `repeats` runs after a warm-up (fewer for a slow one, `_timed_runs`), at contexts that cover the compression's
-    phases; each host part the best of `repeats`. `params` None: the dispatches only (the
+    the mean of `repeats` runs after a warm-up (fewer for a slow one, `_timed_runs`), the
+    shapes taking turns, at contexts that cover the compression's phases; each host part
+    the best of `repeats`. `params` None: the dispatches only (the
     ranks of tensor parallelism, which do not sample)."""
     state, S, K, cfg = runner.state, runner.max_num_seqs, runner.num_spec, runner.model.cfg
     gen = torch.Generator().manual_seed(0)
@@ -65,8 +66,7 @@ def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: i
         # (a 1-token step compresses at one position in 4), so the average is serving's; the
         # last position written stays inside the borrowed block and max_len
         ctx = max(0, min(state.block_size, state.max_len) - K - 2)
-        for b, n in counts.values():
-            _time_dispatches(runner, b, n, ctx, ids, repeats)
+        _time_dispatches(runner, list(counts.values()), ctx, ids, repeats)
     finally:
         for s in range(S):
             state.free(s)
@@ -77,39 +77,54 @@ def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: i
             _calibrate_host(runner, params, list(counts.values()), ids, ctx, repeats)
 
 
-def _time_dispatches(runner: "Runner", b: int, n: int, ctx: int, ids, repeats: int) -> None:
-    """`verify` and `draft` at b requests of n tokens (see `calibrate`)."""
+def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, ids, repeats: int) -> None:
+    """`verify` and `draft` at each (b requests, n tokens) of `shapes` (see `calibrate`). The
+    shapes take turns, one timed run each per round, so that a burst of other work on the
+    machine slows every shape a little (the level, which serving re-learns) rather than one
+    shape a lot (the shape, which it keeps): timed one shape after another, a burst once
+    made 4 tokens look cheaper than 2 and 3 and auto ran K = 3 where K = 1 was best."""
     pol, state, dev = runner.policy, runner.state, runner.device
-    last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
-    times: dict[str, list[float]] = {"verify": [], "draft": [], "alone": []}
-    # 1-token steps are K = 0's, where no MTP dispatch runs between two steps (whose weights
-    # would push the main model's out of the caches: 10% dearer on the embedded model)
-    for mtp in (True, False) if n == 1 and runner.model.has_mtp else (runner.model.has_mtp,):
-        runs = repeats + 1  # the first run of a shape warms up; a slow one cuts the timed runs
-        rep = 0
-        while rep < runs:
-            at = max(0, ctx - rep % 4)
-            rows = [(s, at, ids(n)) for s in range(b)]
-            for s in range(b):
-                state.assume(s, at)
-            t = time.perf_counter()
-            hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
-            logits.argmax(dim=-1).tolist()
-            t_draft = time.perf_counter()
-            if mtp:
-                _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
-                lg.argmax(dim=-1).tolist()
-            if rep:
-                times["verify" if mtp else "alone"].append(t_draft - t)
-                if mtp:
-                    times["draft"].append(time.perf_counter() - t_draft)
-            else:  # every rank makes as many runs (each runs collectives): the slowest warm-up decides
-                warm = parallel.all_reduce_max(torch.tensor([time.perf_counter() - t], device=dev))
-                runs = 1 + _timed_runs(float(warm[0]), repeats)
-            rep += 1
-    pol.verify.calibrate(b * n, _typical(times["alone"] or times["verify"]))
-    if runner.model.has_mtp:
-        pol.draft.calibrate(b * n, _typical(times["draft"]))
+    has_mtp = runner.model.has_mtp
+    # 1-token steps are also timed alone, as K = 0 runs them: no MTP dispatch between two steps
+    # (its weights push the main model's out of the caches: 10% dearer on the embedded model)
+    plan = [(b, n, mtp) for b, n in shapes for mtp in ((True, False) if n == 1 and has_mtp else (has_mtp,))]
+    plan.sort(key=lambda p: p[2])  # the alone runs first in each round, after an untimed one (below)
+    times: dict[tuple[int, int, bool], dict[str, list[float]]] = {p: {"verify": [], "draft": []} for p in plan}
+
+    def run(b: int, n: int, mtp: bool, rep: int) -> tuple[float, float]:
+        at = max(0, ctx - rep % 4)  # consecutive runs cover every phase of the compression
+        rows = [(s, at, ids(n)) for s in range(b)]
+        for s in range(b):
+            state.assume(s, at)
+        t = time.perf_counter()
+        hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
+        logits.argmax(dim=-1).tolist()
+        t_draft = time.perf_counter()
+        if mtp:
+            last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
+            _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
+            lg.argmax(dim=-1).tolist()
+        return t_draft - t, time.perf_counter() - t_draft
+
+    runs = {}
+    for p in plan:  # a warm-up run of each; every rank makes as many runs (each runs collectives)
+        t = time.perf_counter()
+        run(*p, 0)
+        warm = parallel.all_reduce_max(torch.tensor([time.perf_counter() - t], device=dev))
+        runs[p] = _timed_runs(float(warm[0]), repeats)
+    for rep in range(1, 1 + max(runs.values())):
+        if any(not mtp for _, _, mtp in plan):
+            run(1, 1, False, rep)  # untimed: the MTP's weights leave the caches, as at K = 0
+        for p in plan:
+            if rep <= runs[p]:
+                t_verify, t_draft = run(*p, rep)
+                times[p]["verify"].append(t_verify)
+                times[p]["draft"].append(t_draft)
+    for b, n in shapes:
+        alone = times.get((b, n, False)) if has_mtp else None
+        pol.verify.calibrate(b * n, _typical((alone or times[(b, n, has_mtp)])["verify"]))
+        if has_mtp:
+            pol.draft.calibrate(b * n, _typical(times[(b, n, True)]["draft"]))
 
 
 SHAPE_BUDGET = 0.5  # seconds of timed runs a shape may take before fewer than `repeats` are made
