@@ -79,7 +79,7 @@ def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: i
 
 def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, ids, repeats: int) -> None:
     """`verify` and `draft` at each (b requests, n tokens) of `shapes` (see `calibrate`). The
-    shapes take turns, one timed run each per round, so that a burst of other work on the
+    shapes take turns, one timed run each per round (of those with runs left), so that a burst of other work on the
     machine slows every shape a little (the level, which serving re-learns) rather than one
     shape a lot (the shape, which it keeps): timed one shape after another, a burst once
     made 4 tokens look cheaper than 2 and 3 and auto ran K = 3 where K = 1 was best."""
@@ -88,7 +88,7 @@ def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, 
     # 1-token steps are also timed alone, as K = 0 runs them: no MTP dispatch between two steps
     # (its weights push the main model's out of the caches: 10% dearer on the embedded model)
     plan = [(b, n, mtp) for b, n in shapes for mtp in ((True, False) if n == 1 and has_mtp else (has_mtp,))]
-    plan.sort(key=lambda p: p[2])  # the alone runs first in each round, after an untimed one (below)
+    plan.sort(key=lambda p: p[2])  # the alone runs first in each round
     times: dict[tuple[int, int, bool], dict[str, list[float]]] = {p: {"verify": [], "draft": []} for p in plan}
 
     def run(b: int, n: int, mtp: bool, rep: int) -> tuple[float, float]:
@@ -96,30 +96,37 @@ def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, 
         rows = [(s, at, ids(n)) for s in range(b)]
         for s in range(b):
             state.assume(s, at)
+        last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
         t = time.perf_counter()
         hidden, logits = runner._forward(Batch.build(rows, dev), None, decode=True)
         logits.argmax(dim=-1).tolist()
         t_draft = time.perf_counter()
         if mtp:
-            last = torch.arange(n - 1, b * n, n, device=dev)  # the row each request drafts from
             _, lg = runner._mtp_forward(Batch.build(rows, dev), hidden, last)
             lg.argmax(dim=-1).tolist()
         return t_draft - t, time.perf_counter() - t_draft
 
+    run(1, 1, has_mtp, 0)  # untimed: the process's first dispatch is cold (it set no run count)
     runs = {}
     for p in plan:  # a warm-up run of each; every rank makes as many runs (each runs collectives)
         t = time.perf_counter()
         run(*p, 0)
         warm = parallel.all_reduce_max(torch.tensor([time.perf_counter() - t], device=dev))
         runs[p] = _timed_runs(float(warm[0]), repeats)
+    alone = lambda p: has_mtp and not p[2]  # noqa: E731
     for rep in range(1, 1 + max(runs.values())):
-        if any(not mtp for _, _, mtp in plan):
-            run(1, 1, False, rep)  # untimed: the MTP's weights leave the caches, as at K = 0
-        for p in plan:
-            if rep <= runs[p]:
-                t_verify, t_draft = run(*p, rep)
-                times[p]["verify"].append(t_verify)
-                times[p]["draft"].append(t_draft)
+        now = [p for p in plan if rep <= runs[p]]  # the entries with runs left (`_timed_runs`)
+        # each timed run follows what it follows in serving: an alone run a dispatch without
+        # the MTP (K = 0), any other a dispatch with it; untimed runs set that up (the plan runs
+        # the alone entries first)
+        if now and alone(now[0]):
+            run(1, 1, False, rep)
+        for i, p in enumerate(now):
+            if has_mtp and p[2] and i and alone(now[i - 1]):
+                run(1, 1, True, rep)
+            t_verify, t_draft = run(*p, rep)
+            times[p]["verify"].append(t_verify)
+            times[p]["draft"].append(t_draft)
     for b, n in shapes:
         alone = times.get((b, n, False)) if has_mtp else None
         pol.verify.calibrate(b * n, _typical((alone or times[(b, n, has_mtp)])["verify"]))

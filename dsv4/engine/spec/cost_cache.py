@@ -30,6 +30,7 @@ from dsv4.private_paths import PathError, cache_home, ensure_private_cache
 from dsv4.safetensors_header import tensor_listing
 
 TABLES = ("verify", "verify_host", "draft", "draft_host")  # the SpecPolicy cost tables calibration fills
+METHOD = 2  # how calibration.py times (2: the shapes take turns); entries of another are timed again
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS")
 CONFIG_FIELDS = ("device", "dtype", "quantization", "threads", "tensor_parallel_size", "nnodes", "max_num_seqs",
                  "num_speculative_tokens", "compile", "max_model_len", "block_size", "draft_vocab_ids")
@@ -61,7 +62,7 @@ def key(config: Any, params: Any) -> str:
     """The cache key of a calibration under `config` (an EngineConfig) with default sampling `params`."""
     model = Path(config.model)
     parts: dict[str, Any] = {
-        "dsv4": installed_version(), "torch": torch.__version__, "cpu": _cpu_name(),
+        "dsv4": installed_version(), "method": METHOD, "torch": torch.__version__, "cpu": _cpu_name(),
         "capability": torch.backends.cpu.get_cpu_capability(),
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "env": {k: os.environ.get(k) for k in KERNEL_ENV},
