@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from collections import Counter
@@ -132,16 +133,16 @@ def tpot(a: argparse.Namespace) -> None:
                 pairs[arm].extend(tpots[arm])
         print(f"{mode}: " + ", ".join(f"K={arm} " + "/".join(f"{x:.1f}" for x in res[(mode, arm)]) for arm in names)
               + " ms/token", flush=True)
-        med = {arm: sorted(res[(mode, arm)])[len(res[(mode, arm)]) // 2] for arm in names}
+        med = {arm: statistics.median_high(res[(mode, arm)]) for arm in names}
         fixed = min(names[1:], key=med.__getitem__)
         # the same prompt and seed, run side by side: the median of those ratios is less moved by
         # the machine's drift than the ratio of two medians
-        paired = sorted(f / t for f, t in zip(pairs[fixed], pairs["auto"]))
+        paired = statistics.median_high(f / t for f, t in zip(pairs[fixed], pairs["auto"]))
         cnt = holder["counter"]
         total = sum(cnt.values()) or 1
         print("  median ms/token: " + ", ".join(f"K={arm} {med[arm]:.2f}" for arm in names)
               + f"; auto / best fixed (K = {fixed}), in speed: {med[fixed] / med['auto']:.3f}x, "
-              f"paired {paired[len(paired) // 2]:.3f}x (median of {len(paired)} runs side by side)")
+              f"paired {paired:.3f}x (median of {len(pairs['auto'])} runs side by side)")
         print("  auto chose " + ", ".join(f"K={k}: {100 * n / total:.0f}%" for k, n in sorted(cnt.items()))
               + f" of {total} steps; catch-ups {catch['n']} over {catch['pairs']} pairs, {1e3 * catch['s']:.1f} ms; "
               f"K by step (first round): {''.join(map(str, seqs[0][:80]))}", flush=True)

@@ -252,10 +252,8 @@ class Runner:
     def _defer(self, slot: int, t0: int, hs: list[torch.Tensor], nxt: list[int]) -> None:
         """Keep pairs (h_t, x_{t+1}) from t0 on for a later catch-up instead of running the MTP;
         only the last `sliding_window` pairs are kept (older ones are never read again)."""
-        entry = self.backlog.get(slot)
-        if entry is None:
-            hs, nxt = list(hs), list(nxt)
-        else:  # grown in place: a decode step adds one pair to a window's worth
+        entry = self.backlog.get(slot)  # the lists given become the backlog's (`_draft` builds them per step)
+        if entry is not None:  # grown in place: a decode step adds one pair to a window's worth
             b0, bh, bt = entry
             assert b0 + len(bt) == t0, "the MTP backlog must be contiguous"
             bh.extend(hs)

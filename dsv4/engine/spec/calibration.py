@@ -79,17 +79,19 @@ def calibrate(runner: "Runner", params: SamplingParams | None = None, repeats: i
 
 def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, ids, repeats: int) -> None:
     """`verify` and `draft` at each (b requests, n tokens) of `shapes` (see `calibrate`). The
-    shapes take turns, one timed run each per round (of those with runs left), so that a burst of other work on the
-    machine slows every shape a little (the level, which serving re-learns) rather than one
-    shape a lot (the shape, which it keeps): timed one shape after another, a burst once
-    made 4 tokens look cheaper than 2 and 3 and auto ran K = 3 where K = 1 was best."""
+    shapes take turns, one timed run each per round (of those with runs left), so that a
+    burst of other work on the machine slows every shape a little (the level, which serving
+    re-learns) rather than one shape a lot (the shape, which it keeps): timed one shape after
+    another, a burst once made 4 tokens look cheaper than 2 and 3 and auto ran K = 3 where
+    K = 1 was best."""
     pol, state, dev = runner.policy, runner.state, runner.device
     has_mtp = runner.model.has_mtp
     # 1-token steps are also timed alone, as K = 0 runs them: no MTP dispatch between two steps
     # (its weights push the main model's out of the caches: 10% dearer on the embedded model)
     plan = [(b, n, mtp) for b, n in shapes for mtp in ((True, False) if n == 1 and has_mtp else (has_mtp,))]
     plan.sort(key=lambda p: p[2])  # the alone runs first in each round
-    times: dict[tuple[int, int, bool], dict[str, list[float]]] = {p: {"verify": [], "draft": []} for p in plan}
+    alone = lambda p: has_mtp and not p[2]  # noqa: E731
+    times: dict[tuple[int, int, bool], list[tuple[float, float]]] = {p: [] for p in plan}  # (verify, draft) a run
 
     def run(b: int, n: int, mtp: bool, rep: int) -> tuple[float, float]:
         at = max(0, ctx - rep % 4)  # consecutive runs cover every phase of the compression
@@ -113,7 +115,6 @@ def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, 
         run(*p, 0)
         warm = parallel.all_reduce_max(torch.tensor([time.perf_counter() - t], device=dev))
         runs[p] = _timed_runs(float(warm[0]), repeats)
-    alone = lambda p: has_mtp and not p[2]  # noqa: E731
     for rep in range(1, 1 + max(runs.values())):
         now = [p for p in plan if rep <= runs[p]]  # the entries with runs left (`_timed_runs`)
         # each timed run follows what it follows in serving: an alone run a dispatch without
@@ -124,14 +125,12 @@ def _time_dispatches(runner: "Runner", shapes: list[tuple[int, int]], ctx: int, 
         for i, p in enumerate(now):
             if has_mtp and p[2] and i and alone(now[i - 1]):
                 run(1, 1, True, rep)
-            t_verify, t_draft = run(*p, rep)
-            times[p]["verify"].append(t_verify)
-            times[p]["draft"].append(t_draft)
-    for b, n in shapes:
-        alone = times.get((b, n, False)) if has_mtp else None
-        pol.verify.calibrate(b * n, _typical((alone or times[(b, n, has_mtp)])["verify"]))
+            times[p].append(run(*p, rep))
+    for b, n in shapes:  # verify from the alone runs where there are some; the draft from the MTP's
+        verify = times.get((b, n, False)) or times[(b, n, has_mtp)]
+        pol.verify.calibrate(b * n, _typical([v for v, _ in verify]))
         if has_mtp:
-            pol.draft.calibrate(b * n, _typical(times[(b, n, True)]["draft"]))
+            pol.draft.calibrate(b * n, _typical([d for _, d in times[(b, n, True)]]))
 
 
 SHAPE_BUDGET = 0.5  # seconds of timed runs a shape may take before fewer than `repeats` are made
