@@ -75,18 +75,15 @@ class Replica:
         when its connection ended, `Unreadable` for a remote message that does not unpickle."""
         if not self.remote:
             return self.conn.recv() if self.conn.poll() else None
+        try:  # the wake bytes first: one written after this comes with a message still queued
+            while self.wake.recv(4096):
+                pass
+        except OSError:  # nothing more to read (or closed)
+            pass
         try:
             item = self.inbox.get_nowait()
-        except queue.Empty:  # the wake bytes, then a last look: a message queued after it rings again
-            try:
-                while self.wake.recv(4096):
-                    pass
-            except OSError:  # nothing more to read (or closed)
-                pass
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return None
+        except queue.Empty:
+            return None
         if isinstance(item, BaseException):
             raise item
         try:
