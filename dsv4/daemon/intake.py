@@ -10,7 +10,8 @@
   socket monitor, on its own thread, and at `limit` (or when free descriptors run low)
   unbinds the endpoint (dropping its connections) and binds again after a pause.
   `connection_limit()` derives the limit from the descriptor limit, keeping headroom for
-  accepts that land before the unbind and for the HTTP front end's share.
+  accepts that land before the unbind and for the HTTP front end's share. For an ipc endpoint
+  a sentinel process (sentinel.py) is the backstop for a guard thread kept off the CPU.
 Details (the race it must win, as measured): docs/security.md, 'dsv4/daemon/intake.py'.
 """
 
@@ -28,6 +29,7 @@ from typing import Any, Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .sentinel import Sentinel
 from .threads import start_thread
 
 log = logging.getLogger("dsv4.daemon")
@@ -105,6 +107,11 @@ def headroom(soft: int) -> int:
     return max(128, soft // 8)
 
 
+def low_water(soft: int | None) -> int | None:
+    """Free descriptors under which the endpoint stops accepting (None: no limit)."""
+    return None if soft is None else 3 * headroom(soft) // 4
+
+
 def connection_limit(maximum: int = MAX_CONNECTIONS, reserved: int = 0) -> int:
     """Open connections allowed: the free descriptors minus `headroom` and minus `reserved`
     (the HTTP front end's share), at most `maximum`."""
@@ -116,7 +123,8 @@ def connection_limit(maximum: int = MAX_CONNECTIONS, reserved: int = 0) -> int:
 
 class ConnectionGuard:
     """Watches the connections of a bound ROUTER socket; unbinds at `limit` (or when free
-    descriptors fall under 3/4 of the headroom), binds again after a pause.
+    descriptors fall under 3/4 of the headroom, or its `sentinel` shut the door), binds again
+    after a pause.
 
     The monitor is read by a thread of its own ("dsv4-guard"), so the count follows the
     accepts at once whatever the loop is doing. Only the socket's holder may unbind it:
@@ -126,7 +134,7 @@ class ConnectionGuard:
     """
 
     def __init__(self, sock: zmq.Socket, endpoint: str, limit: int, on_bind: Callable[[], None],
-                 lock: Any = None, wake: Callable[[], None] | None = None) -> None:
+                 lock: Any = None, wake: Callable[[], None] | None = None, sentinel: Sentinel | None = None) -> None:
         self.sock = sock
         self.endpoint = endpoint
         self.limit = limit
@@ -139,10 +147,16 @@ class ConnectionGuard:
         self._over = threading.Event()  # the limit is reached: unbind at the next chance
         self._unbound = threading.Event()  # set while unbound
         soft = descriptor_limit()
-        self._low_water = None if soft is None else 3 * headroom(soft) // 4
+        self._low_water = low_water(soft)
         self._near = False  # free descriptors under twice the low water mark when last looked at
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._sentinel = sentinel  # the backstop a Python thread cannot be (sentinel.py)
+        self._sentinel_alive = sentinel is not None
+        self._poller = zmq.Poller()
+        self._poller.register(self.monitor, zmq.POLLIN)
+        if self._sentinel is not None:
+            self._poller.register(self._sentinel.fd, zmq.POLLIN)
         if lock is not None:
             self._thread = start_thread(self._run, "dsv4-guard")
 
@@ -157,9 +171,11 @@ class ConnectionGuard:
         n = 0
         while True:
             try:
-                if n == 0 and not self.monitor.poll(timeout_ms):
+                if n == 0 and not self._poller.poll(timeout_ms):
                     return
             except zmq.ZMQError:  # closed while stopping
+                return
+            if n == 0 and self._sentinel_said_low():
                 return
             # the descriptors first, before the event that woke us is read: under a flood every
             # read waits for the GIL, and libzmq accepts meanwhile
@@ -179,12 +195,33 @@ class ConnectionGuard:
             n += 1
             if event == zmq.EVENT_ACCEPTED:
                 self.open += 1
+                if self._sentinel is not None:
+                    self._sentinel.arm()
                 if self.open >= self.limit and self._unbound_at is None:
                     self._over.set()
             elif event == zmq.EVENT_DISCONNECTED:
                 self.open = max(0, self.open - 1)
             if self._over.is_set():
                 return  # act now; the rest of the events can wait
+
+    def _sentinel_said_low(self) -> bool:
+        """Read the sentinel's reports (in the thread that polls): True when it shut the door
+        (unbind now). One that exited is left out of the poll; the guard works alone."""
+        if self._sentinel is None or not self._sentinel_alive:
+            return False
+        said = self._sentinel.said_low()
+        if said is None:
+            self._sentinel_alive = False
+            self._poller.unregister(self._sentinel.fd)
+            log.warning("the connection sentinel exited (status %s): the connection guard works alone",
+                        self._sentinel.proc.poll())
+            return False
+        if said and self._unbound_at is None:
+            log.warning("free descriptors ran low: the connection sentinel shut %s (connects are "
+                        "refused) before the guard could unbind it", self.endpoint)
+            self._over.set()  # unbind (and bind a new socket file later)
+            return True
+        return False
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -207,6 +244,8 @@ class ConnectionGuard:
             return
         log.warning("%d connections open (limit %d, from the descriptor limit): refusing connections "
                     "for %.0f s; every connection is dropped", self.open, self.limit, REBIND_PAUSE_S)
+        if self._sentinel is not None:
+            self._sentinel.unbound()
         self.sock.unbind(self.endpoint)  # also closes the listener's connections
         self.open = 0
         self.refusals += 1
@@ -242,6 +281,8 @@ class ConnectionGuard:
                 self._unbound.set()
                 return
             self._on_bind()
+            if self._sentinel is not None:
+                self._sentinel.bound()  # after _on_bind: its chmod changes the file's ctime
             log.info("accepting connections again on %s", self.endpoint)
 
     @property
@@ -257,6 +298,8 @@ class ConnectionGuard:
         self._closed.set()
         if self._thread is not None:
             self._thread.join(1.0)
+        if self._sentinel is not None:
+            self._sentinel.close()
         try:
             self.sock.disable_monitor()
         except zmq.ZMQError:

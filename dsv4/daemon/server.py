@@ -30,7 +30,8 @@ from dsv4 import __version__
 from dsv4.daemon import protocol as P
 from dsv4.daemon.admission import DEAF_GRACE_S, SHUTDOWN_MESSAGE, Admission, Live, RequestTable, refusal
 from dsv4.daemon.contract import ServedEngine
-from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit
+from dsv4.daemon.intake import ConnectionGuard, Intake, connection_limit, descriptor_limit, low_water
+from dsv4.daemon.sentinel import start as start_sentinel
 from dsv4.daemon.paths import ipc_path
 from dsv4.daemon.watch import StepWatch, log_finished, rss_bytes
 from dsv4.engine.errors import EngineFailed
@@ -113,11 +114,15 @@ class Server:
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         s.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)  # the most accepts in one burst (a flood meeting a rebind)
+        path, soft = ipc_path(self.endpoint), descriptor_limit()  # the sentinel runs before the door opens
+        sentinel = None if path is None else start_sentinel(str(path), soft, low_water(soft))
         try:
             s.bind(self.endpoint)
             for extra in self.also_bind:
                 s.bind(extra)
         except zmq.ZMQError:
+            if sentinel is not None:
+                sentinel.close()
             s.close(0)
             if self._given_ctx is None:  # a given context is its owner's to end
                 self._ctx.term()
@@ -125,9 +130,11 @@ class Server:
             raise
         self.sock = s
         self._private_socket_file()
+        if sentinel is not None:
+            sentinel.bound()
         self.watch = StepWatch(s, self.admission.early_pong)
         self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file,
-                                      lock=self.watch.lock, wake=self._wake)
+                                      lock=self.watch.lock, wake=self._wake, sentinel=sentinel)
         self.watch.on_turn = self._guard.handle_watch
 
     def _private_socket_file(self) -> None:
