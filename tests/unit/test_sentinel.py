@@ -16,6 +16,7 @@ import pytest
 from dsv4.daemon.intake import open_descriptors
 from dsv4.daemon.paths import check_socket_file
 from dsv4.daemon.sentinel import Sentinel, listening_fd
+from tests.e2e.util import wait_until
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
 
@@ -41,12 +42,7 @@ def _refused(path: Path) -> bool:
 
 
 def _until(cond, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.005)
-    return bool(cond())
+    return wait_until(cond, timeout, every=0.005)
 
 
 def _take(n: int) -> list[int]:
