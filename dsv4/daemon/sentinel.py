@@ -35,6 +35,7 @@ BLIND_S = 0.05  # the same without the listening socket (not found): the guard's
 FAST_S = 0.001
 FAST_FOR_S = 0.5
 JUMP = 4  # descriptors more than at the last look: connections are arriving, look often
+STUCK_S = 2.0  # a listener readable this long with the count still: nobody accepts (a stopped daemon)
 ARM, BOUND, UNBOUND, CLOSED, READY = b"a", b"b", b"u", b"c", b"r"
 ARM_EVERY_S = 0.05  # the guard's reports of accepts, at most this often
 READY_WAIT_S = 10.0
@@ -51,64 +52,79 @@ def _ident(path: str) -> tuple[int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_ctime_ns) if stat.S_ISSOCK(st.st_mode) else None
 
 
-def _shut(path: str) -> None:
-    """Put a socket that nobody listens on (mode 0600) in place of `path`, atomically: connects
-    are refused at once. Made under a short name in the same directory (this process works
-    there, so the name stays within the socket path limit)."""
-    name = os.path.basename(path)
+def _shut(name: str) -> None:
+    """Put a socket that nobody listens on (mode 0600) in place of `name` (in the working
+    directory: the socket's), atomically: connects are refused at once. Made under a short
+    spare name there first (a relative name stays within the socket path limit)."""
     spare = f".{name}~"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         try:
-            os.unlink(spare)
+            os.unlink(spare)  # one left by a sentinel killed mid-way
         except FileNotFoundError:
             pass
         s.bind(spare)
-        os.chmod(spare, 0o600)
-        os.rename(spare, name)
+        try:
+            os.chmod(spare, 0o600)
+            os.rename(spare, name)
+        except OSError:
+            os.unlink(spare)
+            raise
 
 
 def watch(pid: int, path: str, limit: int, low_water: int, chan: socket.socket, outbox: int) -> None:
-    """The sentinel's loop (in its own process); returns when the daemon closes `chan` or exits."""
+    """The sentinel's loop (in its own process); returns when the daemon closes `chan` or exits.
+    `path` is absolute; the loop works in its directory and names the socket file relatively."""
     fd_dir = f"/proc/{pid}/fd"
-    os.chdir(os.path.dirname(path) or ".")
+    os.chdir(os.path.dirname(path))
+    name = os.path.basename(path)
     ident, listener, closed = None, None, True  # nothing to guard until the daemon says BOUND
     os.write(outbox, READY)
-    last, fast_until = 0, 0.0
+    last, fast_until, stuck_since = 0, 0.0, None
     while True:
-        fast = time.monotonic() < fast_until
-        waits = [chan] if fast or listener is None else [chan, listener]  # a pending connect: look
+        now = time.monotonic()
+        fast = now < fast_until
+        stuck = stuck_since is not None and now - stuck_since >= STUCK_S
+        waits = [chan] if fast or stuck or listener is None else [chan, listener]  # a pending connect: look
         ready, _, _ = select.select(waits, [], [], FAST_S if fast else IDLE_S if listener is not None else BLIND_S)
+        armed = False
         if chan in ready:
             data, fds, _, _ = socket.recv_fds(chan, 256, 4)
             if not data:
                 return  # the daemon is gone, or stopping
+            said = None
             for msg in data:
-                if msg in (BOUND[0], UNBOUND[0]) and listener is not None:
-                    os.close(listener)
-                    listener = None
                 if msg == BOUND[0]:
-                    ident, closed = _ident(path), False
-                    listener = fds.pop(0) if fds else None
+                    ident, closed, said = _ident(name), False, BOUND
                 elif msg == UNBOUND[0]:
-                    ident, closed = None, True
+                    ident, closed, said = None, True, UNBOUND
+                armed = armed or msg == ARM[0]
+            if said is not None and listener is not None:
+                os.close(listener)
+                listener = stuck_since = None
+            # a read ends with the byte that carried descriptors: they are that BOUND's
+            if said == BOUND and fds and data[-1:] == BOUND:
+                listener = fds.pop()
             for fd in fds:
                 os.close(fd)
-        if listener is not None and listener in ready or chan in ready and ARM in data:
-            fast_until = time.monotonic() + FAST_FOR_S
+        woke = listener is not None and listener in ready
         try:
             n = len(os.listdir(fd_dir))
         except FileNotFoundError:
+            return  # the daemon exited
+        except OSError as e:  # not ours to read (hidepid, a changed owner): the guard works alone
+            print(f"dsv4 connection sentinel: cannot count the daemon's descriptors: {e}", file=sys.stderr, flush=True)
             return
-        except OSError:  # EMFILE here too (the daemon's share is its own; this is ours): look again
-            continue
-        free = limit - n
-        if n - last >= JUMP or free < 2 * low_water:
+        if n != last:
+            stuck_since = None
+        elif woke and stuck_since is None:
+            stuck_since = time.monotonic()
+        if woke or armed or n - last >= JUMP:
             fast_until = time.monotonic() + FAST_FOR_S
         last = n
-        if free < low_water and not closed:
-            if ident is not None and _ident(path) == ident:
+        if limit - n < low_water and not closed:
+            if ident is not None and _ident(name) == ident:
                 try:
-                    _shut(path)
+                    _shut(name)
                 except OSError as e:  # the guard unbinds all the same
                     print(f"dsv4 connection sentinel: cannot shut {path}: {e}", file=sys.stderr, flush=True)
             if listener is not None:
@@ -146,6 +162,7 @@ class Sentinel:
     """The daemon's handle on its sentinel process (one per bound ipc endpoint)."""
 
     def __init__(self, path: str, limit: int, low_water: int) -> None:
+        """`path`: the socket file, absolute and as bound (the string /proc/net/unix shows)."""
         self.path = path
         self._chan, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -163,10 +180,14 @@ class Sentinel:
         os.set_blocking(self.fd, False)
         self._armed_at = 0.0
         self._known: set[int] = set()  # listening sockets already handed over
-        ready, _, _ = select.select([self.fd], [], [], READY_WAIT_S)
-        if not ready or os.read(self.fd, 1) != READY:
+        try:
+            waiting = select.poll()  # not select(): the daemon's descriptors may number over 1024
+            waiting.register(self.fd, select.POLLIN)
+            if not waiting.poll(READY_WAIT_S * 1000) or os.read(self.fd, 1) != READY:
+                raise OSError("the connection sentinel did not start")
+        except BaseException:
             self.close()
-            raise OSError("the connection sentinel did not start")
+            raise
 
     def _send(self, msg: bytes, fds: list[int] | None = None) -> None:
         try:
@@ -190,8 +211,10 @@ class Sentinel:
         self._send(BOUND, [found[0]] if found is not None else None)
 
     def unbound(self) -> None:
-        """The endpoint is about to be unbound: drop the copy of its listening socket (a copy
-        would keep it accepting connects into its backlog), guard nothing until `bound()`."""
+        """The endpoint is about to be unbound: drop the copy of its listening socket, guard
+        nothing until `bound()`. Until the sentinel reads this, connects still queue in the
+        copy's backlog (no descriptor of the daemon's); dropping it resets them, and ZeroMQ
+        clients connect again."""
         self._send(UNBOUND)
 
     def said_low(self) -> bool | None:
@@ -221,7 +244,7 @@ def start(path: str, limit: int | None, low_water: int | None) -> Sentinel | Non
         return None
     try:
         return Sentinel(path, limit, low_water)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 (the backstop is optional: the daemon serves without it)
         logging.getLogger("dsv4.daemon").warning("no connection sentinel (%s): the connection guard works alone", e)
         return None
 

@@ -114,8 +114,10 @@ class Server:
         s.setsockopt(zmq.LINGER, 2000)
         s.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_IVL_MS)
         s.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)  # the most accepts in one burst (a flood meeting a rebind)
-        path, soft = ipc_path(self.endpoint), descriptor_limit()  # the sentinel runs before the door opens
-        sentinel = None if path is None else start_sentinel(str(path), soft, low_water(soft))
+        soft = descriptor_limit()  # the sentinel runs before the door opens; its path is the one
+        # libzmq binds, unnormalised (what /proc/net/unix shows)
+        sentinel = (start_sentinel(self.endpoint[len("ipc://"):], soft, low_water(soft))
+                    if ipc_path(self.endpoint) is not None else None)
         try:
             s.bind(self.endpoint)
             for extra in self.also_bind:
@@ -129,12 +131,17 @@ class Server:
             self._ctx = None
             raise
         self.sock = s
-        self._private_socket_file()
-        if sentinel is not None:
-            sentinel.bound()
-        self.watch = StepWatch(s, self.admission.early_pong)
-        self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file,
-                                      lock=self.watch.lock, wake=self._wake, sentinel=sentinel)
+        try:
+            self._private_socket_file()
+            if sentinel is not None:
+                sentinel.bound()
+            self.watch = StepWatch(s, self.admission.early_pong)
+            self._guard = ConnectionGuard(s, self.endpoint, self.max_connections, self._private_socket_file,
+                                          lock=self.watch.lock, wake=self._wake, sentinel=sentinel)
+        except BaseException:
+            if sentinel is not None:
+                sentinel.close()
+            raise
         self.watch.on_turn = self._guard.handle_watch
 
     def _private_socket_file(self) -> None:
