@@ -33,8 +33,7 @@ import time
 IDLE_S = 0.2  # between looks while nothing happens (a pending connect wakes it at once)
 BLIND_S = 0.05  # the same without the listening socket (not found): the guard's ARM, or this
 FAST_S = 0.001
-FAST_FOR_S = 0.5
-JUMP = 4  # descriptors more than at the last look: connections are arriving, look often
+FAST_FOR_S = 0.05  # after a wake, and after every look that finds more descriptors than the last
 STUCK_S = 2.0  # a listener readable this long with the count still: nobody accepts (a stopped daemon)
 ARM, BOUND, UNBOUND, CLOSED, READY = b"a", b"b", b"u", b"c", b"r"
 ARM_EVERY_S = 0.05  # the guard's reports of accepts, at most this often
@@ -118,7 +117,7 @@ def watch(pid: int, path: str, limit: int, low_water: int, chan: socket.socket, 
             stuck_since = None
         elif woke and stuck_since is None:
             stuck_since = time.monotonic()
-        if woke or armed or n - last >= JUMP:
+        if woke or armed or n > last:  # connects arriving: look often while the count grows
             fast_until = time.monotonic() + FAST_FOR_S
         last = n
         if limit - n < low_water and not closed:
