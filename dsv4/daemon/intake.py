@@ -170,13 +170,15 @@ class ConnectionGuard:
         another thread holds the GIL: each read waits for its turn)."""
         n = 0
         while True:
-            try:
-                if n == 0 and not self._poller.poll(timeout_ms):
+            if n == 0:
+                try:
+                    ready = dict(self._poller.poll(timeout_ms))
+                except zmq.ZMQError:  # closed while stopping
                     return
-            except zmq.ZMQError:  # closed while stopping
-                return
-            if n == 0 and self._sentinel_said_low():
-                return
+                if not ready:
+                    return
+                if self._sentinel is not None and self._sentinel.fd in ready and self._sentinel_said_low():
+                    return
             # the descriptors first, before the event that woke us is read: under a flood every
             # read waits for the GIL, and libzmq accepts meanwhile
             if (n % CHECK_EVERY == 0 or self._near) and self._unbound_at is None and self._low_water is not None:
@@ -205,8 +207,9 @@ class ConnectionGuard:
                 return  # act now; the rest of the events can wait
 
     def _sentinel_said_low(self) -> bool:
-        """Read the sentinel's reports (in the thread that polls): True when it shut the door
-        (unbind now). One that exited is left out of the poll; the guard works alone."""
+        """Read the sentinel's reports (in the thread that polls, once its pipe is readable):
+        True when it shut the door (unbind now). One that exited is left out of the poll; the
+        guard works alone."""
         if self._sentinel is None or not self._sentinel_alive:
             return False
         said = self._sentinel.said_low()
