@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,13 @@ def test_closing_while_workers_start_or_compile_raises_in_no_thread(monkeypatch:
             t.join(10)
         assert not any(t.is_alive() for t in threads)
     assert errors == []
+
+
+def test_workers_start_without_torch(v4_grammars):
+    """A worker imports llguidance and tokenizers, not torch (its import alone cost each worker
+    start about 4 CPU-seconds, paid again after every kill)."""
+    w = v4_grammars._pool._workers["small"][0]
+    maps = Path(f"/proc/{w._proc.pid}/maps")
+    if not maps.exists():
+        pytest.skip("no /proc")
+    assert w.alive and "libtorch" not in maps.read_text()

@@ -117,13 +117,13 @@ def tokenizer(vocab: dict[str, Any]) -> Any:
 def check(tok: Any, grammar: str, what: str) -> None:
     """Validate `grammar` against the vocabulary and build its first mask; ValueError (one line)."""
     import llguidance as llg
-    import llguidance.torch as llt
+    import llguidance.numpy as lln  # not llguidance.torch: importing torch would cost each worker start ~4 CPU-s
 
     err = llg.LLMatcher.validate_grammar(grammar, tok)
     if err:
         raise ValueError(f"structured {what}: cannot compile: {_line(err)}")
     m = llg.LLMatcher(tok, grammar, log_level=0)
-    llt.fill_next_token_bitmask(m, llt.allocate_token_bitmask(1, tok.vocab_size), 0)
+    lln.fill_next_token_bitmask(m, lln.allocate_token_bitmask(1, tok.vocab_size), 0)
     if m.is_error():
         raise ValueError(f"structured {what}: cannot compile: {_line(m.get_error())}")
 
