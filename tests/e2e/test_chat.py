@@ -13,7 +13,7 @@ import subprocess
 import termios
 import time
 
-from tests.e2e.util import CMD, as_from_a_terminal, env_for, status, wait_until
+from tests.e2e.util import CMD, as_from_a_terminal, env_for, status_now, wait_until
 
 
 def _controlling_tty() -> None:
@@ -86,7 +86,7 @@ def test_chat_session(daemon):
         t.send("\x03")  # Ctrl-C: cancels this answer only
         t.expect("(answer cancelled)")
         t.expect(">>> ")
-        assert wait_until(lambda: status(daemon.endpoint)["in_flight"] == 0, timeout=10)
+        assert wait_until(lambda: status_now(daemon.endpoint)["in_flight"] == 0, timeout=10)
         t.send("/clear\r")
         t.expect("(conversation cleared)")
         t.expect(">>> ")

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from dsv4.daemon import protocol as P
-from tests.e2e.util import Daemon, dsv4, run_json, spawn, status, wait_until
+from tests.e2e.util import Daemon, dsv4, run_json, spawn, status, status_now, wait_until
 
 PROMPT = "To be, or not to be"
 N = 8
@@ -191,7 +191,7 @@ def _start_long_run(daemon: Daemon) -> Any:
 
 
 def _idle(daemon: Daemon) -> bool:
-    st = status(daemon.endpoint)
+    st = status_now(daemon.endpoint)
     return st["running"] == 0 and st["waiting"] == 0 and st["in_flight"] == 0
 
 

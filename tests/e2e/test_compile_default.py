@@ -15,7 +15,7 @@ import torch
 
 from dsv4.engine.compile.env import CompileUnavailable, check_backend
 from tests.checkpoints import write_tiny_checkpoint
-from tests.e2e.util import Daemon, dsv4, env_for, wait_until
+from tests.e2e.util import Daemon, dsv4, env_for, status_now, wait_until
 from tests.model.test_compiled import SMALL
 
 ARGS = ("--max-num-seqs", "1", "--num-speculative-tokens", "0", "--max-model-len", "64")
@@ -60,11 +60,11 @@ def test_serve_builds_in_the_background_then_starts_warm(small, tmp_path):
     try:
         first = _run(cold)  # served at once, eagerly, while the bucket builds
         assert first["token_ids"] == ref["token_ids"]
-        assert wait_until(lambda: _status(cold)["compiled_buckets"] == {"main": [1], "mtp": []},
+        assert wait_until(lambda: status_now(cold.endpoint)["compiled_buckets"] == {"main": [1], "mtp": []},
                           timeout=300, every=1.0), cold.log.read_text()
         later = _run(cold)
         assert later["compiled"] is True and later["token_ids"] == ref["token_ids"]
-        assert wait_until(lambda: not _status(cold)["compile_building"], timeout=30), cold.log.read_text()
+        assert wait_until(lambda: not status_now(cold.endpoint)["compile_building"], timeout=30), cold.log.read_text()
         log = cold.log.read_text()
         assert "building 1 decode bucket(s) in the background" in log and "main bucket 1 now runs compiled" in log
     finally:

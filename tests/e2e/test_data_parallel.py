@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import pytest
 
 from tests.e2e.test_parallel import alive, descendants
-from tests.e2e.util import Daemon, dsv4, env_for, free_port, reap, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import (Daemon, dsv4, env_for, free_port, reap, run_json,
+                            short_dir, spawn, status, status_now, wait_until)
 
 PROMPTS = ["Hamlet:", "To be, or not to be", "KING:", "O Romeo, Romeo"]
 N = 16
@@ -125,7 +126,7 @@ def test_a_killed_replica_fails_its_request_alone_and_comes_back(tiny_model: Pat
     long = spawn("run", "--max-tokens", "4000", "--ignore-eos", "--raw", PROMPTS[0], endpoint=d.endpoint)
     try:
         kids = descendants(d.proc.pid)
-        assert wait_until(lambda: any(r["running"] for r in status(d.endpoint)["replicas"]), timeout=60)
+        assert wait_until(lambda: any(r["running"] for r in status_now(d.endpoint)["replicas"]), timeout=60)
         victim = next(r for r in status(d.endpoint)["replicas"] if r["running"])
         os.kill(victim["pid"], signal.SIGKILL)
         _, err = long.communicate(timeout=60)
@@ -135,7 +136,7 @@ def test_a_killed_replica_fails_its_request_alone_and_comes_back(tiny_model: Pat
         assert len(out["token_ids"]) == N  # the other replica serves meanwhile
 
         def back() -> bool:
-            r = status(d.endpoint)["replicas"][victim["index"]]
+            r = status_now(d.endpoint)["replicas"][victim["index"]]
             return r["state"] == "serving" and r["restarts"] == 1 and r["pid"] != victim["pid"]
 
         assert wait_until(back, timeout=120, every=0.5), status(d.endpoint)["replicas"]

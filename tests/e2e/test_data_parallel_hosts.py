@@ -18,7 +18,8 @@ from typing import Iterator
 
 import pytest
 
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, free_port, reap, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import (CMD, Daemon, dsv4, env_for, free_port, reap, run_json,
+                            short_dir, spawn, status, status_now, wait_until)
 
 PROMPTS = ["Hamlet:", "To be, or not to be", "KING:", "O Romeo, Romeo"]
 N = 16
@@ -110,13 +111,13 @@ def test_a_replica_on_another_host_joins_serves_and_is_checked(hosts: tuple[str,
         # the remote killed: the other replica serves meanwhile, and it joins again
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(10)
-        assert wait_until(lambda: status(node0.endpoint)["replicas"][1]["state"] == "away", timeout=30)
+        assert wait_until(lambda: status_now(node0.endpoint)["replicas"][1]["state"] == "away", timeout=30)
         out = run_json("--max-tokens", str(N), "--ignore-eos", "--raw", PROMPTS[1], endpoint=node0.endpoint)
         assert len(out["token_ids"]) == N
         procs.append(joiner(b, tiny_model, port, 1))
 
         def back() -> bool:
-            r = status(node0.endpoint)["replicas"][1]
+            r = status_now(node0.endpoint)["replicas"][1]
             return r["state"] == "serving" and r["restarts"] == 1 and r["pid"] == procs[-1].pid
 
         assert wait_until(back, timeout=120, every=0.5), status(node0.endpoint)["replicas"]

@@ -21,7 +21,7 @@ import zmq
 
 from dsv4.daemon import paths
 from dsv4.daemon.client import Client, _alive
-from tests.e2e.util import CMD, Daemon, dsv4, env_for, free_port, reap, short_dir, wait_until
+from tests.e2e.util import CMD, Daemon, answers, dsv4, env_for, free_port, reap, short_dir, wait_until
 
 
 def run_in(cwd: Path, *args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
@@ -79,7 +79,7 @@ def test_tcp_daemon_with_a_key_answers_only_with_it(tiny_model: Path) -> None:
     try:
         no_key = env_for(XDG_RUNTIME_DIR=str(d))
         no_key.pop("DSV4_API_KEY", None)
-        assert wait_until(lambda: dsv4("status", "--socket", ep, env=env).returncode == 0, timeout=90)
+        assert wait_until(lambda: answers(ep, "s3cret"), timeout=90)
         for args in (["status"], ["stop"], ["run", "hi"], ["status", "--api-key", "guess"]):
             r = dsv4(*args, "--socket", ep, env=no_key)
             assert r.returncode == 1 and "API key" in r.stderr, (args, r.stderr)
@@ -117,7 +117,7 @@ def test_a_flood_of_connections_under_a_low_descriptor_limit(tiny_model: Path) -
     ctx.setsockopt(zmq.MAX_SOCKETS, 2048)
     flood: list[zmq.Socket] = []
     try:
-        assert wait_until(lambda: dsv4("status", endpoint=ep).returncode == 0, timeout=90), log.read_text()
+        assert wait_until(lambda: answers(ep), timeout=90), log.read_text()
         for _ in range(300):
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)

@@ -13,7 +13,7 @@ from typing import Iterator
 import openai
 import pytest
 
-from tests.e2e.util import Daemon, dsv4, env_for, free_port, run_json, status, wait_until
+from tests.e2e.util import Daemon, dsv4, env_for, free_port, run_json, status, status_now, wait_until
 
 KEY = "sk-test-dsv4"
 
@@ -229,9 +229,9 @@ def test_disconnect_cancels_the_generation(server, stream):
             more = s.recv(4096)
             assert more, got
             got += more
-    assert wait_until(lambda: status(d.endpoint)["in_flight"] == 1, timeout=30)
+    assert wait_until(lambda: status_now(d.endpoint)["in_flight"] == 1, timeout=30)
     s.close()
-    assert wait_until(lambda: status(d.endpoint)["in_flight"] == 0, timeout=5)
+    assert wait_until(lambda: status_now(d.endpoint)["in_flight"] == 0, timeout=5)
     log = d.log.read_text()
     assert log.count("cancelled") == cancelled + 1 and "Traceback" not in log
 

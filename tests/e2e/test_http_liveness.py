@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.test_http import _get
-from tests.e2e.util import Daemon, free_port, status, wait_until
+from tests.e2e.util import Daemon, free_port, status, status_now, wait_until
 
 STEP_S = 1.3  # every engine step sleeps this long inside the step ...
 WINDOW_S = 1.0  # ... longer than the front end waits for a pong before calling the daemon dead
@@ -105,7 +105,7 @@ def test_status_counts_tokens_while_the_request_runs(slow):
     assert st["totals"]["usage"]["completion_tokens"] - before >= 2  # each chunk carries at least one token
     assert st["totals"]["throughput"]["output_tokens_per_busy_s"] > 0
     stream.close()  # the disconnect cancels the generation
-    assert wait_until(lambda: status(d.endpoint)["in_flight"] == 0, timeout=30)
+    assert wait_until(lambda: status_now(d.endpoint)["in_flight"] == 0, timeout=30)
 
 
 def test_a_stream_cut_by_the_daemon_stopping_ends_in_an_error_not_done(tiny_model):

@@ -15,7 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.e2e.util import Daemon, dsv4, env_for, free_port, reap, run_json, short_dir, spawn, status, wait_until
+from tests.e2e.util import (Daemon, dsv4, env_for, free_port, reap, run_json,
+                            short_dir, spawn, status, status_now, wait_until)
 
 PROMPT = "Hamlet:"
 N = 12
@@ -88,7 +89,7 @@ def test_killed_rank_fails_the_request_and_the_daemon(tiny_model: Path) -> None:
     try:
         kids = descendants(d.proc.pid)
         client = spawn("run", "--max-tokens", "400", "--ignore-eos", "--raw", PROMPT, endpoint=d.endpoint)
-        assert wait_until(lambda: status(d.endpoint)["running"] == 1, timeout=30)
+        assert wait_until(lambda: status_now(d.endpoint)["running"] == 1, timeout=30)
         ranks = [k for k in kids if "spawn_main" in Path(f"/proc/{k}/cmdline").read_text()]
         assert len(ranks) == 1, kids  # rank 1 (the spawn helper processes aside)
         os.kill(ranks[0], signal.SIGKILL)

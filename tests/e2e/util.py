@@ -80,6 +80,28 @@ def status(endpoint: str) -> dict[str, Any]:
     return json.loads(r.stdout)
 
 
+def status_now(endpoint: str, api_key: str | None = None) -> dict[str, Any]:
+    """What `status(endpoint)` gives, asked from this process (the CLI's own client calls),
+    for polling: a `dsv4 status` process costs about 0.4 CPU-s, so a test that polled one
+    every 0.1 s kept a core busy while it waited. The key: `api_key`, else DSV4_API_KEY."""
+    from dsv4.daemon.client import Client
+
+    with Client(endpoint, api_key=api_key or os.environ.get("DSV4_API_KEY")) as c:
+        c.connect()
+        return json.loads(json.dumps(c.status()))
+
+
+def answers(endpoint: str, api_key: str | None = None) -> bool:
+    """Whether a daemon answers `status` on `endpoint` now (`status_now`)."""
+    from dsv4.daemon.client import DaemonError, DaemonTimeout, DaemonUnreachable
+
+    try:
+        status_now(endpoint, api_key)
+        return True
+    except (DaemonUnreachable, DaemonTimeout, DaemonError):
+        return False
+
+
 def reap(proc: subprocess.Popen) -> None:
     """Kill `proc` if it still runs, and wait for it (a test's cleanup)."""
     if proc.poll() is None:
