@@ -5,7 +5,8 @@ every prefill chunk and decode row `[x_last, d_1..d_k]`; (2) first tokens, verif
 drafts and logprobs (`verify.py`), then rollback of the rejected positions; (3) the MTP
 drafter over the newly completed pairs (h_t, x_{t+1}), then K-1 recurrent dispatches for
 deeper drafts (`drafting.propose`). The plan's `num_drafts` (auto K) says how many; at 0 the
-MTP is skipped and its pairs wait in a backlog it later catches up over. With `--compile`
+MTP is skipped and its pairs wait in a backlog it later catches up over; so do a prompt's
+pairs, of which the window-only MTP needs only the last `sliding_window`. With `--compile`
 short dispatches run through `compiled.CompiledSteps`; with a `BlockManager` the step's
 `KVPlan` sets block tables and loads or saves rings.
 
