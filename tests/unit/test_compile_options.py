@@ -1,5 +1,6 @@
 """`--compile` plumbing without compiling: the config field, the flag a detached daemon is
-started with, the buckets, the settings a running daemon is compared on."""
+started with, the buckets, the settings a running daemon is compared on, the background
+build's niceness (DSV4_COMPILE_NICE)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import dsv4
 from dsv4.cli.options import engine_argv, engine_kwargs
 from dsv4.daemon.process import SETTING_FLAGS
+from dsv4.engine.compile.builder import build_niceness
 from dsv4.engine.compile.env import buckets
 from dsv4.engine.config import EngineConfig, EngineConfigError
 
@@ -30,3 +32,11 @@ def test_detached_argv():
 @pytest.mark.parametrize("n,want", [(1, [1]), (2, [1, 2]), (3, [1, 2, 4]), (8, [1, 2, 4, 8]), (9, [1, 2, 4, 8, 16])])
 def test_buckets(n, want):
     assert buckets(n) == want
+
+
+def test_build_niceness(caplog):
+    assert build_niceness(None) == build_niceness("") == 10
+    assert build_niceness("0") == 0 and build_niceness("19") == 19
+    for bad in ("-5", "20", "high"):
+        assert build_niceness(bad) == 10
+        assert f"DSV4_COMPILE_NICE={bad!r} is not a niceness from 0 to 19" in caplog.text

@@ -8,8 +8,8 @@ engine polls the cache between steps (`Engine.poll_compiled`, a few stat calls a
 and switches each bucket to compiled as its package appears. A process, not a thread:
 the build holds the GIL for minutes and dynamo's state is process-global.
 
-The builder runs at lower priority (nice 10) with one thread, so that serving keeps the
-other cores; it exits when the daemon does (its stdin, a pipe from the daemon, closes) and
+The builder runs at lower priority (nice 10, or DSV4_COMPILE_NICE: 0..19) with one thread, so
+that serving keeps the other cores; it exits when the daemon does (its stdin, a pipe from the daemon, closes) and
 writes its log lines to the daemon's stderr. The configuration travels pickled over that
 pipe (parent to its own child: nothing untrusted is unpickled).
 """
@@ -76,12 +76,27 @@ def _exit_when_parent_closes() -> None:
     os._exit(0)
 
 
+def build_niceness(value: str | None) -> int:
+    """The builder's niceness: DSV4_COMPILE_NICE's value (0..19), else 10. An idle machine
+    (or a test suite that waits for the build) may want 0; a bad value says so and keeps 10."""
+    if value is None or value == "":
+        return 10
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 19:
+        log.warning("DSV4_COMPILE_NICE=%r is not a niceness from 0 to 19: the build runs at nice 10", value)
+        return 10
+    return n
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="dsv4 compile builder: %(message)s", stream=sys.stderr)
     config = pickle.loads(_read_exactly(int.from_bytes(_read_exactly(8), "little")))
     threading.Thread(target=_exit_when_parent_closes, daemon=True).start()
     try:
-        os.nice(10)
+        os.nice(build_niceness(os.environ.get("DSV4_COMPILE_NICE")))
     except OSError:
         pass
     import torch
