@@ -51,6 +51,7 @@ def entry_bias(pos: torch.Tensor, ratio: int, window_bias: torch.Tensor, max_pos
 
 
 ROW_MIN = 8  # rows with at least this many tokens attend against keys shared by the row
+ROW_SPAN = 64  # a long row's queries attend in spans of this many (each against its own keys)
 SPAN_MIN = 2048  # short rows attend in groups by context: ends up to this, then each power of two above
 
 
@@ -164,7 +165,21 @@ class Attention(nn.Module):
         return self._out(o, cis, batch, rope)
 
     def _attend_row(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
-        """One row's n queries (positions start..start+n-1) -> o [n, H, hd], one matmul per step."""
+        """One row's n queries (positions start..start+n-1) -> o [n, H, hd], in spans of
+        ROW_SPAN queries: a span reads only the keys its queries may see (its window and the
+        entries closed by its end), where one matmul over the whole row would score every
+        query against all n + W - 1 window keys."""
+        if n <= ROW_SPAN:
+            return self._attend_span(head_w, qr, q, cis, slot, start, n, ls)
+        o = torch.empty_like(q)
+        for a in range(0, n, ROW_SPAN):
+            sl = slice(a, min(n, a + ROW_SPAN))
+            hw = head_w[sl] if head_w is not None else None
+            o[sl] = self._attend_span(hw, qr[sl], q[sl], rot_rows(cis, sl), slot, start + a, sl.stop - a, ls)
+        return o
+
+    def _attend_span(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
+        """n queries of one row (positions start..start+n-1) -> o [n, H, hd], one matmul per step."""
         W, dev = self.cfg.sliding_window, q.device
         p0 = max(0, start - W + 1)
         kpos = torch.arange(p0, start + n, device=dev)  # [L]
