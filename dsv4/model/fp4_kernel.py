@@ -2,7 +2,7 @@
 
     y = linear_a8(xq, xs, packed, scale)   # int8 [M, K], float32 [M, 1] (kernels.quantize_tokens) -> float32 [M, N]
     y = linear_f(x, packed, scale)         # float32 or bfloat16 [M, K] -> [M, N] in x's dtype
-    backend()                              # "fp4 GEMM: C++ avx512-vnni", ... (the startup line)
+    backend()                              # "fp4 GEMM: C++ amx", ... (the startup line)
 
 This module owns the weight format's products, the C++ extension (`csrc/fp4_gemm.cpp`: its
 build, loading and choice of path) and the pure-torch fallback. Weight: `packed` [N, K/2]
@@ -34,7 +34,9 @@ NAME = "dsv4_fp4_gemm"
 # no fma contraction (the A8 contract is mul, then add); -fopenmp because at::parallel_for is
 # an inline `#pragma omp parallel` in torch's OpenMP build: without it the GEMMs run on one thread
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-ISAS = ("scalar", "avx2", "avx512-vnni")  # index = the C++ isa code
+# index = the C++ isa code; "amx": AMX int8 tiles for linear_a8 from 12 rows of x, avx512-vnni's
+# kernels below that and for linear_f
+ISAS = ("scalar", "avx2", "avx512-vnni", "amx")
 BUILD_HINT = "python -m dsv4.model.fp4_kernel --build"
 BLOCK = 32
 _N_CHUNK = 1024  # output rows per step of the torch fallback (bounds its [B, M, N] int32 sums)
@@ -241,7 +243,7 @@ def _activations(x: torch.Tensor, dtypes: tuple[torch.dtype, ...], what: str) ->
 def linear_a8(xq: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
               *, isa: str | None = None) -> torch.Tensor:
     """int8 xq [M, K] with float32 token scales xs [M, 1] -> float32 [M, N] (the exact contract
-    in the module docstring). `isa`: force a path ("avx512-vnni", "avx2", "scalar", "torch")."""
+    in the module docstring). `isa`: force a path ("amx", "avx512-vnni", "avx2", "scalar", "torch")."""
     _activations(xq, (torch.int8,), "xq")
     if xs.dtype != torch.float32 or xs.numel() != xq.shape[0] or xs.dim() not in (1, 2):
         raise ValueError(f"fp4 GEMM: xs must be float32 [M, 1] for xq {tuple(xq.shape)}; got {tuple(xs.shape)} {xs.dtype}")

@@ -21,6 +21,7 @@
 // is, so a row's result does not depend on the rows batched with it.
 //
 // Paths (per-ISA functions in this one translation unit, picked by the caller):
+//   isa 3: isa 2 below 12 rows of x; from 12 rows linear_a8 runs on Intel AMX (tdpbssd)
 //   isa 2: AVX-512 F+BW+VL+VNNI (vpdpbusd), tiles of 16 output rows
 //   isa 1: AVX2 + FMA (vpmaddubsw + vpmaddwd), tiles of 8 output rows
 //   isa 0: scalar
@@ -37,6 +38,11 @@
 #if defined(__x86_64__)
 #define DSV4_X86 1
 #include <immintrin.h>
+#endif
+#if DSV4_X86 && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#define DSV4_AMX 1  // a compiler with AMX intrinsics, and a kernel that grants the tiles
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include <algorithm>
@@ -566,6 +572,167 @@ T512 void f_avx512(const Gemm& g, int64_t t0, int64_t t1) {
   }
 }
 
+#if DSV4_AMX
+// ------------------------------------------------------------------------------ AMX
+// isa 3: AVX-512 VNNI below kAmxRows (12) rows of x, Intel AMX (tdpbssd) from there on. Each
+// 16-column tile's weights are unpacked once into B tiles (signed w2x: 8 rows of 16 columns
+// x 4 k a block); x comes block-major ([B][Mp][32], rows zero-padded to a multiple of 16), so
+// an A tile is 512 contiguous bytes. A pass takes 32 rows x 32 columns (tiles C 0..3, A 4..5,
+// B 6..7): per block 4 tdpbssd, whose int32 tiles are the exact block dot products d, then the
+// contract's step facc += float(d) * f in AVX-512 on every C row, so the bits are the other
+// paths'.
+#ifndef DSV4_AMX_ROWS
+#define DSV4_AMX_ROWS 12
+#endif
+constexpr int64_t kAmxRows = DSV4_AMX_ROWS;  // from 12 rows AMX is faster (benchmarks/fp4_gemm.py)
+
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,amx-tile,amx-int8")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TAMX void amx_config() {
+  TileConfig c;
+  for (int t = 0; t < 4; ++t) c.rows[t] = 16, c.colsb[t] = 64;      // C: 16 rows x 16 int32
+  for (int t = 4; t < 6; ++t) c.rows[t] = 16, c.colsb[t] = kBlock;  // A: 16 rows x 32 int8
+  for (int t = 6; t < 8; ++t) c.rows[t] = kBlock / 4, c.colsb[t] = 64;  // B: k / 4 rows x 16 columns x 4 k
+  _tile_loadconfig(&c);
+}
+
+// Block b of 16 weight rows as a B tile: byte 64 kq + 4 r + i = w2x[row r, k = 4 kq + i].
+// From load16's T[q] (lane r: packed bytes 4q..4q+3 of the block, elements 8q..8q+7): the
+// signed nibble values lo, hi interleaved per dword give elements 8q..8q+3 (row 2q of the
+// tile) and 8q+4..8q+7 (row 2q+1).
+TAMX void amx_unpack_block(const __m512i T[4], int8_t* dst) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kW2x));
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  for (int q = 0; q < 4; ++q) {
+    const __m512i lo = _mm512_shuffle_epi8(lut, _mm512_and_si512(T[q], m4));
+    const __m512i hi = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(T[q], 4), m4));
+    const __m512 u0 = _mm512_castsi512_ps(_mm512_unpacklo_epi8(lo, hi));  // per lane: E0 O0 E1 O1
+    const __m512 u1 = _mm512_castsi512_ps(_mm512_unpackhi_epi8(lo, hi));  // E2 O2 E3 O3
+    _mm512_store_si512((void*)(dst + 128 * q), _mm512_castps_si512(_mm512_shuffle_ps(u0, u1, 0x88)));
+    _mm512_store_si512((void*)(dst + 128 * q + 64), _mm512_castps_si512(_mm512_shuffle_ps(u0, u1, 0xDD)));
+  }
+}
+
+// Rows m0 .. m0 + 16 MT - 1 of the block-major x against NT unpacked column tiles (columns
+// n0 .. n0 + 16 NT - 1): C tile 2 i + j holds row group i, column tile j. Per block: MT A
+// loads, NT B loads, MT * NT tdpbssd, then the contract's step on every C row.
+template <int MT, int NT>
+TAMX void amx_pass(const Gemm& g, const int8_t* xb, int64_t Mp, int8_t* const* wbuf, float* const* fbuf, int64_t m0,
+                   int64_t n0) {
+  alignas(64) int32_t c[4][256];
+  alignas(64) float acc[4][256];
+  std::memset(acc, 0, sizeof(acc));
+  const int8_t* x = xb + m0 * kBlock;
+  const int64_t xblock = Mp * kBlock;  // bytes from one block of x to the next
+  for (int64_t b = 0; b < g.B; ++b) {
+    const int8_t* xa = x + b * xblock;
+    _tile_loadd(4, xa, kBlock);
+    _tile_loadd(6, wbuf[0] + b * 512, 64);
+    _tile_zero(0);
+    _tile_dpbssd(0, 4, 6);
+    if constexpr (NT > 1) {
+      _tile_loadd(7, wbuf[1] + b * 512, 64);
+      _tile_zero(1);
+      _tile_dpbssd(1, 4, 7);
+    }
+    if constexpr (MT > 1) {
+      _tile_loadd(5, xa + 16 * kBlock, kBlock);
+      _tile_zero(2);
+      _tile_dpbssd(2, 5, 6);
+    }
+    if constexpr (MT > 1 && NT > 1) {
+      _tile_zero(3);
+      _tile_dpbssd(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    if constexpr (NT > 1) _tile_stored(1, c[1], 64);
+    if constexpr (MT > 1) _tile_stored(2, c[2], 64);
+    if constexpr (MT > 1 && NT > 1) _tile_stored(3, c[3], 64);
+#pragma GCC unroll 2
+    for (int j = 0; j < NT; ++j) {
+      const __m512 f = _mm512_load_ps(fbuf[j] + 16 * b);
+#pragma GCC unroll 2
+      for (int i = 0; i < MT; ++i) {
+        const int t = 2 * i + j;
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          const __m512 d = _mm512_cvtepi32_ps(_mm512_load_si512((const void*)(c[t] + 16 * r)));
+          _mm512_store_ps(acc[t] + 16 * r, _mm512_add_ps(_mm512_load_ps(acc[t] + 16 * r), _mm512_mul_ps(d, f)));
+        }
+      }
+    }
+  }
+  for (int j = 0; j < NT; ++j) {
+    const int nvalid = int(std::min<int64_t>(16, g.N - n0 - 16 * j));
+    for (int i = 0; i < MT; ++i)
+      for (int64_t r = 0; r < 16 && m0 + 16 * i + r < g.M; ++r)
+        store16(g, m0 + 16 * i + r, n0 + 16 * j, nvalid, _mm512_load_ps(acc[2 * i + j] + 16 * r));
+  }
+}
+
+// Column tile n0 unpacked: its B tiles into wbuf, its scales as float into fbuf.
+TAMX void amx_unpack_tile(const Gemm& g, int64_t n0, int64_t n_end, int8_t* wbuf, float* fbuf) {
+  Scales16 sc;
+  const int nvalid = int(std::min<int64_t>(16, g.N - n0));
+  scales16_init(sc, g, n0, nvalid);
+  sc.pf.set(g, n0 + 32, n_end);
+  const uint8_t* rows[16];
+  rows16(g, n0, nvalid, rows);
+  for (int64_t b4 = 0; b4 < g.B; b4 += 4) {
+    sc.pf.step(b4 / 4, 16);
+    int64_t o;
+    const __m512i G = scales16_gather(sc, b4, o);
+    for (int64_t b = b4; b < std::min<int64_t>(b4 + 4, g.B); ++b) {
+      __m512i T[4];
+      load16(rows, b * kBlockBytes, T);
+      amx_unpack_block(T, wbuf + b * 512);
+      _mm512_store_ps(fbuf + 16 * b, scales16_float(G, int(8 * (b - o))));
+    }
+  }
+}
+
+// Pairs of column tiles p0..p1 (columns 32 p .. 32 p + 31) for all M rows of x (block-major,
+// Mp = M rounded up to 16).
+TAMX void a8_amx(const Gemm& g, const int8_t* xb, int64_t Mp, int64_t p0, int64_t p1) {
+  amx_config();
+  auto wmem = std::unique_ptr<int8_t, decltype(&std::free)>(
+      static_cast<int8_t*>(std::aligned_alloc(64, 2 * g.B * 512)), &std::free);
+  auto fmem = std::unique_ptr<float, decltype(&std::free)>(
+      static_cast<float*>(std::aligned_alloc(64, 2 * g.B * 64)), &std::free);
+  int8_t* wbuf[2] = {wmem.get(), wmem.get() + g.B * 512};
+  float* fbuf[2] = {fmem.get(), fmem.get() + g.B * 16};
+  const int64_t n_end = std::min(g.N, 32 * p1);
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t n0 = 32 * p;
+    const bool two = n0 + 16 < g.N;
+    amx_unpack_tile(g, n0, n_end, wbuf[0], fbuf[0]);
+    if (two) amx_unpack_tile(g, n0 + 16, n_end, wbuf[1], fbuf[1]);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      const bool rows2 = m0 + 16 < Mp;
+      if (rows2 && two) amx_pass<2, 2>(g, xb, Mp, wbuf, fbuf, m0, n0);
+      else if (rows2) amx_pass<2, 1>(g, xb, Mp, wbuf, fbuf, m0, n0);
+      else if (two) amx_pass<1, 2>(g, xb, Mp, wbuf, fbuf, m0, n0);
+      else amx_pass<1, 1>(g, xb, Mp, wbuf, fbuf, m0, n0);
+    }
+  }
+  _tile_release();
+}
+
+// Whether this process may use AMX tiles: Linux hands the tile state out on request.
+bool amx_permitted() {
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+#endif  // DSV4_AMX
+
 // ------------------------------------------------------------------------------ AVX2
 #define T256 __attribute__((target("avx2,fma")))
 #define T256I T256 __attribute__((always_inline)) inline
@@ -774,7 +941,7 @@ T256 void f_avx2(const Gemm& g, int64_t t0, int64_t t1) {
 #endif  // DSV4_X86
 
 // ------------------------------------------------------------------------------ dispatch
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 bool cpu_has(int64_t isa) {
   if (isa == kScalar) return true;
@@ -786,6 +953,15 @@ bool cpu_has(int64_t isa) {
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
              __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+    case kAmx: {  // the AVX-512 path's features, AMX's, and the kernel's leave to use the tiles
+#if DSV4_AMX
+      static const bool ok = cpu_has(kAvx512) && __builtin_cpu_supports("amx-tile") &&
+                             __builtin_cpu_supports("amx-int8") && amx_permitted();
+      return ok;
+#else
+      return false;
+#endif
+    }
     default: return false;
   }
 #else
@@ -796,7 +972,7 @@ bool cpu_has(int64_t isa) {
 // The ISAs this CPU runs, as a bit mask (bit i: isa i).
 int64_t cpu_isas() {
   int64_t mask = 0;
-  for (int64_t i = kScalar; i <= kAvx512; ++i)
+  for (int64_t i = kScalar; i <= kAmx; ++i)
     if (cpu_has(i)) mask |= int64_t(1) << i;
   return mask;
 }
@@ -810,7 +986,7 @@ Gemm gemm_of(const at::Tensor& packed, const at::Tensor& scale, int64_t M, int64
               "dsv4_fp4: packed ", packed.sizes(), " and scale ", scale.sizes(), " do not match");
   TORCH_CHECK((packed.size(1) <= 1 || packed.stride(1) == 1) && (scale.size(1) <= 1 || scale.stride(1) == 1),
               "dsv4_fp4: packed and scale need contiguous rows");
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512 && cpu_has(isa), "dsv4_fp4: this CPU cannot run isa ", isa);
+  TORCH_CHECK(isa >= kScalar && isa <= kAmx && cpu_has(isa), "dsv4_fp4: this CPU cannot run isa ", isa);
   y = at::empty({M, N}, at::TensorOptions().dtype(at::kFloat));
   Gemm g{packed.data_ptr<uint8_t>(), packed.stride(0), scale.data_ptr<uint8_t>(), scale.stride(0),
          M, N, K, K / kBlock, y.data_ptr<float>()};
@@ -819,6 +995,7 @@ Gemm gemm_of(const at::Tensor& packed, const at::Tensor& scale, int64_t M, int64
 
 void run(const Gemm& g, int64_t isa, bool a8) {
   if (g.M == 0 || g.N == 0) return;
+  if (isa == kAmx) isa = kAvx512;  // linear_f, and linear_a8 below kAmxRows rows
   const int64_t rows = isa == kAvx512 ? 16 : isa == kAvx2 ? 8 : 1;
   const int64_t tiles = (g.N + rows - 1) / rows;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -841,6 +1018,17 @@ at::Tensor linear_a8(const at::Tensor& xq_, const at::Tensor& xs_, const at::Ten
   Gemm g = gemm_of(packed, scale, M, isa, y);
   TORCH_CHECK(xq_.size(1) == g.K, "dsv4_fp4: xq has ", xq_.size(1), " columns, the weight ", g.K);
   const at::Tensor xq = xq_.contiguous(), xs = xs_.contiguous();
+  g.xs = xs.data_ptr<float>();
+#if DSV4_AMX
+  if (isa == kAmx && M >= kAmxRows && g.N > 0) {
+    const int64_t Mp = (M + 15) / 16 * 16;  // x block-major, [B, Mp, 32], padded rows zero
+    const at::Tensor xb = at::constant_pad_nd(xq, {0, 0, 0, Mp - M}, 0).view({Mp, g.B, kBlock}).permute({1, 0, 2})
+                              .contiguous();
+    const int8_t* x = xb.data_ptr<int8_t>();
+    at::parallel_for(0, (g.N + 31) / 32, 1, [&](int64_t p0, int64_t p1) { a8_amx(g, x, Mp, p0, p1); });
+    return y;
+  }
+#endif
   const int64_t groups = (g.B + 3) / 4, K = g.K, B = g.B;
   g.xstride = 128 * groups;
   g.nstride = 16 * groups;
@@ -865,7 +1053,6 @@ at::Tensor linear_a8(const at::Tensor& xq_, const at::Tensor& xs_, const at::Ten
   });
   g.xg = dst;
   g.nxs = sums;
-  g.xs = xs.data_ptr<float>();
   run(g, isa, true);
   return y;
 }
