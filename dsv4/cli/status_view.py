@@ -13,7 +13,7 @@ KNOWN = {"model", "device", "dtype", "num_speculative_tokens", "vocab_size", "up
          "state_bytes", "totals", "pid", "version", "protocol", "endpoint", "clients", "in_flight",
          "memory_rss_bytes", "compiled", "compiled_buckets", "compile_building", "max_model_len", "preemptions",
          "blocks", "block_size", "free_blocks", "cached_blocks", "prefix_cache_queries", "prefix_cache_hits",
-         "prefix_cache_hit_rate", "model_id", "revision", "data_parallel_size", "replicas", "routing"}
+         "prefix_cache_hit_rate", "model_id", "revision", "data_parallel_size", "replicas", "routing", "kernels"}
 
 
 def _bytes(n: Any) -> str:
@@ -121,6 +121,7 @@ def status_lines(st: dict[str, Any]) -> list[str]:
         ("model", _model(st) + f" (vocabulary {st.get('vocab_size')}), {st.get('device')} {st.get('dtype')}, "
                   f"MTP K = {st.get('num_speculative_tokens')}"),
         ("compiled", _compiled(st)),
+        ("kernels", st.get("kernels") or "torch's own ops"),
         ("requests", f"{st.get('running')} running, {st.get('waiting')} waiting, {st.get('in_flight')} in flight "
                      f"from {st.get('clients')} client(s); {t.get('requests', 0)} finished"),
         ("tokens", f"{usage.get('prompt_tokens', 0)} prompt, {usage.get('completion_tokens', 0)} generated"),

@@ -333,6 +333,7 @@ class Engine(RequestFront):
             "device": str(self.device),
             "dtype": self.config.dtype,
             "quantization": self.config.quantization,
+            "kernels": self.quant_note,  # the quantised GEMMs' kernels and instruction sets ("" for none)
             "weight_bytes": self.weight_bytes,  # this rank's (each rank holds its own slices)
             "tensor_parallel_size": self.config.tensor_parallel_size,
             "rank_weight_bytes": self.rank_weight_bytes,

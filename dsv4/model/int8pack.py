@@ -132,11 +132,38 @@ def split_mm(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(xq, a.t()) + torch._int_mm(xq, (wq - a).t())
 
 
+# oneDNN's CPU ISA levels, lowest first, as ONEDNN_MAX_CPU_ISA names them; the int8 matmul
+# runs on the highest the CPU has up to that cap (by the name each level is shown under)
+_DNNL_LEVELS = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core", "avx512_core_vnni",
+                "avx512_core_bf16", "avx512_core_fp16", "avx10_1_512", "avx512_core_amx", "avx512_core_amx_fp16",
+                "avx10_1_512_amx", "avx10_1_512_amx_fp16", "all")
+
+
+def onednn_isa() -> str:
+    """The instruction set oneDNN's int8 matmul runs on here: the CPU's best ("AMX",
+    "AVX-512 VNNI", "AVX-512", "AVX2"), capped by ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA)."""
+    import os
+
+    c = torch.cpu
+    if c._is_amx_tile_supported():
+        best = "avx512_core_amx"
+    elif c._is_avx512_supported():
+        best = "avx512_core_vnni" if c._is_vnni_supported() else "avx512_core"
+    else:
+        best = "avx2" if c._is_avx2_supported() else "sse41"
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "all").strip().lower()
+    if cap in _DNNL_LEVELS and _DNNL_LEVELS.index(cap) < _DNNL_LEVELS.index(best):
+        best = cap
+    return {"avx512_core_amx": "AMX", "avx512_core_vnni": "AVX-512 VNNI", "avx512_core": "AVX-512", "avx2": "AVX2",
+            "avx2_vnni": "AVX2 VNNI", "avx2_vnni_2": "AVX2 VNNI", "avx": "AVX", "sse41": "SSE4.1"}.get(best, best)
+
+
 def describe(model: nn.Module) -> str:
-    """The startup line for a w8a8 model on the CPU: what was packed, or that products split."""
+    """The startup line for a w8a8 model on the CPU: what was packed (and the instruction set
+    oneDNN runs it on), or that products split."""
     n = packed_bytes(model)
     if n:
-        return f"w8a8: {n / 2**30:.2f} GiB of int8 weights prepacked for oneDNN's int8 matmul"
+        return f"w8a8: {n / 2**30:.2f} GiB of int8 weights prepacked for oneDNN's int8 matmul ({onednn_isa()})"
     if available() and exact() and not fast():
         return ("w8a8: int8 weights not prepacked: oneDNN has only its reference int8 matmul for the packed "
                 "layout on this CPU (measured ~100x slower); products through torch._int_mm")

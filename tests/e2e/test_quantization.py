@@ -36,6 +36,10 @@ def test_convert_then_serve_without_a_flag(tiny_model: Path, tmp_path: Path) -> 
         plain = dsv4("status", endpoint=d.endpoint)
         assert "weight_bytes" in plain.stdout and "quantization" in plain.stdout
         assert "resident (w8a8)" in d.log.read_text()  # the startup banner
+        # the quantised kernels' line, as the banner gave it ("" where nothing is packed or split)
+        kernels = next(x for x in plain.stdout.splitlines() if x.startswith("kernels "))
+        assert (st["kernels"] or "torch's own ops") in kernels
+        assert st["kernels"] in d.log.read_text()
     finally:
         d.cleanup()
 

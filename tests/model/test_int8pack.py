@@ -174,3 +174,25 @@ def test_the_split_product_is_exact_on_saturating_rows():
     w[0], w[1], x[0], x[1, ::2], x[1, 1::2] = 127, -127, 127, 127, -127
     assert torch.equal(int8pack.split_mm(x, w).long(), x.long() @ w.long().t())
     assert int8pack.exact_product(int8pack.split_mm)
+
+
+def test_onednn_isa_is_the_cpus_best_under_the_cap(monkeypatch):
+    """The banner's instruction set for the packed int8 matmul: the CPU's best level, held
+    down by ONEDNN_MAX_CPU_ISA as oneDNN itself is (test.sh's avx2 and default passes)."""
+    c = torch.cpu
+    best = ("AMX" if c._is_amx_tile_supported() else
+            ("AVX-512 VNNI" if c._is_vnni_supported() else "AVX-512") if c._is_avx512_supported() else
+            "AVX2" if c._is_avx2_supported() else "SSE4.1")
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        monkeypatch.delenv(var, raising=False)
+    assert int8pack.onednn_isa() == best
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "ALL")
+    assert int8pack.onednn_isa() == best
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "SSE41")
+    assert int8pack.onednn_isa() == "SSE4.1"
+    if best != "SSE4.1":
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+        assert int8pack.onednn_isa() == "AVX2"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap above the CPU: its own best
+    assert int8pack.onednn_isa() == best
+    assert f"({int8pack.onednn_isa()})" in int8pack.describe(_w8a8_model(True))
