@@ -89,8 +89,10 @@ def fast() -> bool:
     optimised int8 matmul for the packed layout on this CPU (seen on an AMD Zen 4 with
     AVX-512 VNNI, oneDNN 3.12: `ref_int8`), packing would make w8a8 far slower (measured:
     docs/quantization.md, 'dsv4/model/int8pack.py'). One probe per process: a [1, 1024] x
-    [1024, 1024] product both ways, best of 3; packed must be within 4x of the plain one (a
-    real kernel is faster; the reference one is many times slower)."""
+    [1024, 1024] product both ways, on one thread (a team of threads beside a busy core, as
+    while the daemon loads and its HTTP thread answers, can stall many times over and once
+    judged a real kernel slow), best of 6 after two warm-ups; packed must be within 4x of
+    the plain one (a real kernel is faster; the reference one is many times slower)."""
     import time
 
     g = torch.Generator().manual_seed(0)
@@ -100,14 +102,19 @@ def fast() -> bool:
 
     def best(fn: Callable[[], object]) -> float:
         ts = []
-        for _ in range(4):
+        for _ in range(8):
             t = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t)
-        return min(ts[1:])
+        return min(ts[2:])
 
     plain = split_mm if cpu_saturates() else (lambda a, b: torch._int_mm(a, b.t()))
-    return best(lambda: mm(x, p)) <= 4 * best(lambda: plain(x, w))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return best(lambda: mm(x, p)) <= 4 * best(lambda: plain(x, w))
+    finally:
+        torch.set_num_threads(threads)
 
 
 SATURATES: bool | None = None  # cpu: torch._int_mm's int16 pair sums saturate here (`cpu_saturates`)

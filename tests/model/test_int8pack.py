@@ -196,3 +196,20 @@ def test_onednn_isa_is_the_cpus_best_under_the_cap(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_AMX")  # a cap above the CPU: its own best
     assert int8pack.onednn_isa() == best
     assert f"({int8pack.onednn_isa()})" in int8pack.describe(_w8a8_model(True))
+
+
+def test_the_speed_probe_runs_on_one_thread_and_restores_the_count(monkeypatch):
+    """`fast()` times on one thread (a team beside a busy core stalls and once judged the real
+    kernel slow: a daemon then served unpacked, 1.4x slower) and gives the count back."""
+    seen: list[int] = []
+    real_mm = int8pack.mm
+    monkeypatch.setattr(int8pack, "mm", lambda x, p: (seen.append(torch.get_num_threads()), real_mm(x, p))[1])
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        int8pack.fast.cache_clear()
+        int8pack.fast()
+        assert seen and set(seen) == {1} and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(old)
+        int8pack.fast.cache_clear()
