@@ -7,6 +7,7 @@ DeepSeek V4 Flash's routed-expert shapes.
 Shapes: the fused w1|w3 of two experts' halves, [N 4096, K 4096] (packed [4096, 2048]), and
 w2, [4096, 2048]. Arms, each with the per-token quantisation it needs included:
   fp4 A8     quantize_tokens + linear_a8 (int8 activations; the --quantization w8a8 style)
+  fp4 A8 vnni  the same on the AVX-512 VNNI path, where the default is AMX (the same bits)
   fp4 F      linear_f with float32 activations (W4A32)
   w8a8 pack  quantize_tokens + int8pack.mm (oneDNN prepacked, what the engine loads) + rescale
   _int_mm    quantize_tokens + torch._int_mm on the int8 [N, K] weight + rescale
@@ -62,6 +63,8 @@ def weights(n: int, k: int, e: int, g: torch.Generator) -> dict:
     scale = [torch.randint(118, 128, (n, k // 32), dtype=torch.uint8, generator=g) for _ in range(e)]
     w8 = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g) for _ in range(e)]
     return {"packed": packed, "scale": scale, "w8": w8, "ws": torch.rand(n) / 100,
+            "packed_v": [p.clone() for p in packed], "scale_v": [s.clone() for s in scale],  # own copies: no
+            # arm reads weights another left in the cache
             "pack": [int8pack.pack(w) for w in w8] if int8pack.available() else None,
             "bf16": [torch.randn(n, k, generator=g, dtype=torch.bfloat16) for _ in range(e)]}
 
@@ -82,7 +85,12 @@ def arms(w: dict, x: torch.Tensor) -> dict:
         xq, xs = quantize_tokens(x)
         return torch._int_mm(xq, w["w8"][i % e].t()).float() * xs * w["ws"]
 
-    out = {"fp4 A8": a8, "fp4 F": lambda i: fp4_kernel.linear_f(x, w["packed"][i % e], w["scale"][i % e]),
+    def a8_vnni(i):  # the AVX-512 VNNI path beside the AMX one, where AMX is the default
+        xq, xs = quantize_tokens(x)
+        return fp4_kernel.linear_a8(xq, xs, w["packed_v"][i % e], w["scale_v"][i % e], isa="avx512-vnni")
+
+    out = {"fp4 A8": a8, "fp4 A8 vnni": a8_vnni if "amx" in fp4_kernel.backend() else None,
+           "fp4 F": lambda i: fp4_kernel.linear_f(x, w["packed"][i % e], w["scale"][i % e]),
            "w8a8 pack": pack if w["pack"] is not None else None, "_int_mm": int_mm,
            "bf16": lambda i: F.linear(xb, w["bf16"][i % e])}
     return out
@@ -130,7 +138,7 @@ def main() -> None:
                     table.append((name, m, th, t, best8, nbytes, floor, read, copy))
                 print(f"{name}, {th} thread(s): read {read:.1f} GB/s, copy {copy:.1f} GB/s", flush=True)
     print(f"\nload average after: {' '.join(f'{v:.2f}' for v in os.getloadavg())}\n")
-    cols = ["fp4 A8", "fp4 F", "w8a8 pack", "_int_mm", "bf16"]
+    cols = ["fp4 A8", "fp4 A8 vnni", "fp4 F", "w8a8 pack", "_int_mm", "bf16"]
     print("| shape | M | threads | " + " | ".join(f"{c} ms" for c in cols) +
           " | A8 / best w8a8 | A8 GB/s (% floor) | F GB/s (% floor) | A8 M / A8 M=1 |")
     print("|---|---|---|" + "---|" * (len(cols) + 4))
