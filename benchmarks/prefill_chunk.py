@@ -9,6 +9,8 @@ the scheduler (what `--max-num-batched-tokens` sets at startup) and each prompt 
 prefix caching off, one request at a time) is timed from `add_request` to its first token,
 `--reps` times (the median is printed). Prints a markdown table with the load average. It
 is how DEFAULT_CHUNK (dsv4/engine/config.py) was chosen; see BENCHMARKS.md "Prefill chunk".
+`--row-spans 64,100000` times each chunk with attention in spans of 64 queries and in one
+matmul over the chunk (what attention did before spans).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dsv4 import LLM, SamplingParams  # noqa: E402
+from dsv4.model import attention  # noqa: E402
 
 
 def ttft(llm: LLM, prompt: list[int]) -> float:
@@ -47,6 +50,9 @@ def main() -> None:
     ap.add_argument("--lengths", default="128,144,192,256,512,1024,2048")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--row-spans", default=None,
+                    help="also time each chunk size under these attention spans (model/attention.py ROW_SPAN; "
+                         "a span >= the chunk: one matmul over the whole chunk, as before spans)")
     a = ap.parse_args()
     chunks = [int(x) for x in a.chunks.split(",")]
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -58,20 +64,23 @@ def main() -> None:
     rng = random.Random(0)
     ttft(llm, [rng.randrange(2, vocab) for _ in range(16)])  # warm-up
     rows = {}
-    for c in chunks:
+    spans = [int(x) for x in a.row_spans.split(",")] if a.row_spans else [attention.ROW_SPAN]
+    keys = [(c, sp) for c in chunks for sp in spans]
+    for c, sp in keys:
         sched.chunk_size, sched.budget = c, c
+        attention.ROW_SPAN = sp
         for n in lengths:
-            rows[c, n] = statistics.median(ttft(llm, [rng.randrange(2, vocab) for _ in range(n)])
-                                           for _ in range(a.reps))
-            print(f"chunk {c} length {n}: {rows[c, n]:.3f} s", file=sys.stderr, flush=True)
+            rows[(c, sp), n] = statistics.median(ttft(llm, [rng.randrange(2, vocab) for _ in range(n)])
+                                                 for _ in range(a.reps))
+            print(f"chunk {c} span {sp} length {n}: {rows[(c, sp), n]:.3f} s", file=sys.stderr, flush=True)
     print(f"\nTTFT (s, median of {a.reps}) against prompt length; {a.model}, quantization "
           f"{llm.engine.config.quantization}, {llm.engine.config.threads} threads; load average "
           f"{os.getloadavg()[0]:.2f} at the end\n")
-    print("| chunk | " + " | ".join(str(n) for n in lengths) + " | 144 / 128 |")
-    print("| --- " * (len(lengths) + 2) + "|")
-    for c in chunks:
-        ratio = f"{rows[c, 144] / rows[c, 128]:.2f}x" if (c, 144) in rows and (c, 128) in rows else "-"
-        print(f"| {c} | " + " | ".join(f"{rows[c, n]:.2f}" for n in lengths) + f" | {ratio} |")
+    print("| chunk | attention span | " + " | ".join(str(n) for n in lengths) + " | 144 / 128 |")
+    print("| --- " * (len(lengths) + 3) + "|")
+    for k in keys:
+        ratio = f"{rows[k, 144] / rows[k, 128]:.2f}x" if (k, 144) in rows and (k, 128) in rows else "-"
+        print(f"| {k[0]} | {k[1]} | " + " | ".join(f"{rows[k, n]:.2f}" for n in lengths) + f" | {ratio} |")
 
 
 if __name__ == "__main__":
