@@ -2,9 +2,10 @@
 """Decode speed and load time by thread setting, on a quiet machine and beside a busy loop.
 
     python benchmarks/busy_threads.py [--rounds 3] [--tokens 96] [--arms old,new,one,passive] [--busy-cpus N,...]
+    python benchmarks/busy_threads.py --model SLICE --quantization w8a8-mxfp4 --rounds 1 --tokens 16 --arms old,new,passive
 
 Each measurement is a fresh process (OpenMP reads its settings once, when torch loads it)
-that loads the embedded model through the real engine (`dsv4.LLM`, K = 0, one request),
+that loads the embedded model (or `--model`) through the real engine (`dsv4.LLM`, K = 0, one request),
 generates a warm-up, then `--tokens` greedy tokens after a fixed 64-token prompt, then
 one token after a 384-token prompt; it reports the load time (`LLM(...)`), the decode
 rate and the prefill rate (wall clock, which is what a user waits for). The arms:
@@ -66,7 +67,7 @@ def arms() -> dict[str, tuple[int | None, dict[str, str]]]:
     }
 
 
-def child(threads: int | None, tokens: int) -> None:
+def child(threads: int | None, tokens: int, model: str | None, quantization: str | None) -> None:
     t0 = time.monotonic()
     import torch
 
@@ -75,7 +76,8 @@ def child(threads: int | None, tokens: int) -> None:
 
     opts = {} if threads is None else {"threads": threads}
     t1 = time.monotonic()
-    llm = LLM(dsv4.DEFAULT_MODEL, num_speculative_tokens=0, max_num_seqs=1, max_model_len=512, **opts)
+    llm = LLM(model or dsv4.DEFAULT_MODEL, num_speculative_tokens=0, max_num_seqs=1, max_model_len=512,
+              quantization=quantization, **opts)
     load = time.monotonic() - t1
     prompt = torch.randint(2, 4096, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True, temperature=0))
@@ -114,11 +116,11 @@ def stop_busy(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
-def measure(arm: tuple[int | None, dict[str, str]], tokens: int, timeout_s: float) -> dict:
+def measure(arm: tuple[int | None, dict[str, str]], tokens: int, timeout_s: float, model: list[str]) -> dict:
     threads, extra = arm
     env = {k: v for k, v in os.environ.items() if not k.startswith(OMP_PREFIXES) and k != "MKL_NUM_THREADS"}
     env.update(extra, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--tokens", str(tokens), *model]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -164,17 +166,20 @@ def main() -> None:
                     help="comma-separated CPUs that each get a busy loop when loaded (default: the last usable)")
     ap.add_argument("--busy-max-s", type=float, default=300.0, help="the busy loop ends by itself after this long")
     ap.add_argument("--json", type=Path, default=None, help="also write every measurement here")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
+    ap.add_argument("--quantization", default=None, help="as `dsv4 serve --quantization` (default: as the plan picks)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        return child(a.threads, a.tokens)
+        return child(a.threads, a.tokens, a.model, a.quantization)
     table = arms()
     names = [s for s in a.arms.split(",") if s]
     unknown = [s for s in names if s not in table]
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; choose from {list(table)}")
     cpus = [int(c) for c in a.busy_cpus.split(",")] if a.busy_cpus else [max(os.sched_getaffinity(0))]
+    model = (["--model", a.model] if a.model else []) + (["--quantization", a.quantization] if a.quantization else [])
     import torch
 
     print(f"{usable_cpus()} usable CPUs; torch {torch.__version__}; "
@@ -185,7 +190,7 @@ def main() -> None:
             for name in names:
                 busy = start_busy(cpus, a.busy_max_s) if load == "loaded" else None
                 try:
-                    m = measure(table[name], a.tokens, a.busy_max_s)
+                    m = measure(table[name], a.tokens, a.busy_max_s, model)
                 finally:
                     if busy is not None:
                         stop_busy(busy)
