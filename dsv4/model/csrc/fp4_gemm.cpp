@@ -375,7 +375,10 @@ T512 void a8_tile_avx512(const Gemm& g, int64_t n0, int nvalid, int64_t m0, Scal
 // MT rows of x. 9 x 64 bytes a block: 72 KiB a tile at K = 4096, in L2.
 constexpr int kBufRegs = 9;
 
-T512 void a8_unpack_tile512(const Gemm& g, int64_t n0, int nvalid, Scales16& sc, __m512i* buf) {
+// Each block b of a 16-row tile in order: sink(b, T, f) with its transposed bytes T (load16)
+// and its 16 scales f as float; the tile's prefetch steps along.
+template <class Sink>
+T512I void for_blocks16(const Gemm& g, int64_t n0, int nvalid, Scales16& sc, const Sink& sink) {
   const uint8_t* rows[16];
   rows16(g, n0, nvalid, rows);
   for (int64_t b4 = 0; b4 < g.B; b4 += 4) {
@@ -385,11 +388,22 @@ T512 void a8_unpack_tile512(const Gemm& g, int64_t n0, int nvalid, Scales16& sc,
     for (int64_t b = b4; b < std::min<int64_t>(b4 + 4, g.B); ++b) {
       __m512i T[4];
       load16(rows, b * kBlockBytes, T);
-      __m512i* dst = buf + b * kBufRegs;
-      unpack512(T, dst, dst + 4);
-      dst[8] = _mm512_castps_si512(scales16_float(G, int(8 * (b - o))));
+      sink(b, T, scales16_float(G, int(8 * (b - o))));
     }
   }
+}
+
+struct BufSink {  // a8_unpack_tile512's: the unsigned weights' 8 registers, then the scales
+  __m512i* buf;
+  T512I void operator()(int64_t b, const __m512i* T, __m512 f) const {
+    __m512i* dst = buf + b * kBufRegs;
+    unpack512(T, dst, dst + 4);
+    dst[8] = _mm512_castps_si512(f);
+  }
+};
+
+T512 void a8_unpack_tile512(const Gemm& g, int64_t n0, int nvalid, Scales16& sc, __m512i* buf) {
+  for_blocks16(g, n0, nvalid, sc, BufSink{buf});
 }
 
 template <int MT>
@@ -608,7 +622,7 @@ TAMX void amx_config() {
 // From load16's T[q] (lane r: packed bytes 4q..4q+3 of the block, elements 8q..8q+7): the
 // signed nibble values lo, hi interleaved per dword give elements 8q..8q+3 (row 2q of the
 // tile) and 8q+4..8q+7 (row 2q+1).
-TAMX void amx_unpack_block(const __m512i T[4], int8_t* dst) {
+T512I void amx_unpack_block(const __m512i T[4], int8_t* dst) {  // AVX-512 only
   const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kW2x));
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   for (int q = 0; q < 4; ++q) {
@@ -678,25 +692,22 @@ TAMX void amx_pass(const Gemm& g, const int8_t* xb, int64_t Mp, int8_t* const* w
   }
 }
 
+struct TileSink {  // amx_unpack_tile's: B tiles into wbuf, the scales as float into fbuf
+  int8_t* wbuf;
+  float* fbuf;
+  T512I void operator()(int64_t b, const __m512i* T, __m512 f) const {
+    amx_unpack_block(T, wbuf + b * 512);
+    _mm512_store_ps(fbuf + 16 * b, f);
+  }
+};
+
 // Column tile n0 unpacked: its B tiles into wbuf, its scales as float into fbuf.
 TAMX void amx_unpack_tile(const Gemm& g, int64_t n0, int64_t n_end, int8_t* wbuf, float* fbuf) {
   Scales16 sc;
   const int nvalid = int(std::min<int64_t>(16, g.N - n0));
   scales16_init(sc, g, n0, nvalid);
   sc.pf.set(g, n0 + 32, n_end);
-  const uint8_t* rows[16];
-  rows16(g, n0, nvalid, rows);
-  for (int64_t b4 = 0; b4 < g.B; b4 += 4) {
-    sc.pf.step(b4 / 4, 16);
-    int64_t o;
-    const __m512i G = scales16_gather(sc, b4, o);
-    for (int64_t b = b4; b < std::min<int64_t>(b4 + 4, g.B); ++b) {
-      __m512i T[4];
-      load16(rows, b * kBlockBytes, T);
-      amx_unpack_block(T, wbuf + b * 512);
-      _mm512_store_ps(fbuf + 16 * b, scales16_float(G, int(8 * (b - o))));
-    }
-  }
+  for_blocks16(g, n0, nvalid, sc, TileSink{wbuf, fbuf});
 }
 
 // Pairs of column tiles p0..p1 (columns 32 p .. 32 p + 31) for all M rows of x (block-major,
