@@ -322,11 +322,12 @@ class Runner:
             # the window-only MTP reads the last `sliding_window` pairs of a prompt, never the rest:
             # a prompt's pairs wait in the backlog (cut to the window), and its last chunk catches up
             # over them before its draft row (alone, when the chunk is longer than the window)
-            if kind == "prefill" and res is not None and self._depth(req) > 0 and len(nxt) > self.model.cfg.sliding_window:
+            drafting = self._depth(req) > 0
+            if kind == "prefill" and res is not None and drafting and len(nxt) > self.model.cfg.sliding_window:
                 head_h = pairs_h.pop()  # [1, hc, D]: the pair of the first token, the draft's row
                 self._defer(slot, t0, pairs_h, nxt[:-1])
                 t0, pairs_h, nxt = t0 + len(nxt) - 1, [head_h], nxt[-1:]
-            if self._depth(req) == 0 or res is None:  # no draft this step (or a non-final chunk): the MTP waits
+            if not drafting or res is None:  # no draft this step (or a non-final chunk): the MTP waits
                 self._defer(slot, t0, pairs_h, nxt)
                 if res is not None:
                     self.drafts[slot] = []

@@ -169,17 +169,28 @@ class Attention(nn.Module):
         ROW_SPAN queries: a span reads only the keys its queries may see (its window and the
         entries closed by its end), where one matmul over the whole row would score every
         query against all n + W - 1 window keys."""
+        gathered: dict[bool, torch.Tensor] = {}
+        n_row = (start + n) // self.ratio if self.kind != WINDOW else 0
+
+        def entries(m: int, idx: bool = False) -> torch.Tensor:
+            """The row's first m entries (`idx`: indexer keys), gathered once for all its spans."""
+            if idx not in gathered:
+                gathered[idx] = ls.entries_of(slot, n_row, idx=idx)
+            return gathered[idx][:m]
+
         if n <= ROW_SPAN:
-            return self._attend_span(head_w, qr, q, cis, slot, start, n, ls)
+            return self._attend_span(head_w, qr, q, cis, slot, start, n, ls, entries)
         o = torch.empty_like(q)
         for a in range(0, n, ROW_SPAN):
             sl = slice(a, min(n, a + ROW_SPAN))
             hw = head_w[sl] if head_w is not None else None
-            o[sl] = self._attend_span(hw, qr[sl], q[sl], rot_rows(cis, sl), slot, start + a, sl.stop - a, ls)
+            o[sl] = self._attend_span(hw, qr[sl], q[sl], rot_rows(cis, sl), slot, start + a, sl.stop - a, ls, entries)
         return o
 
-    def _attend_span(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState) -> torch.Tensor:
-        """n queries of one row (positions start..start+n-1) -> o [n, H, hd], one matmul per step."""
+    def _attend_span(self, head_w, qr, q, cis, slot: int, start: int, n: int, ls: LayerState,
+                     entries) -> torch.Tensor:
+        """n queries of one row (positions start..start+n-1) -> o [n, H, hd], one matmul per step;
+        `entries(m, idx)`: the row's first m compressed entries (or indexer keys)."""
         W, dev = self.cfg.sliding_window, q.device
         p0 = max(0, start - W + 1)
         kpos = torch.arange(p0, start + n, device=dev)  # [L]
@@ -191,10 +202,10 @@ class Attention(nn.Module):
             n_ent = (start + n) // self.ratio
             visible = torch.arange(n_ent, device=dev)[None, :] < ((qpos + 1) // self.ratio)[:, None]
             if self.kind == CSA and n_ent > self.indexer.topk:
-                cbias = self.indexer.select(head_w, qr, cis, ls.entries_of(slot, n_ent, idx=True), visible)
+                cbias = self.indexer.select(head_w, qr, cis, entries(n_ent, idx=True), visible)
             else:  # HCA, or CSA while the top-k keeps every visible entry
                 cbias = torch.zeros(n, n_ent, device=dev).masked_fill(~visible, float("-inf"))
-            keys = torch.cat([keys, ls.entries_of(slot, n_ent)])  # [L+E, hd]
+            keys = torch.cat([keys, entries(n_ent)])  # [L+E, hd]
             bias = torch.cat([bias, cbias], dim=1)
         H, hd = self.n_heads, self.head_dim
         scores = f32(q.reshape(n * H, hd) @ cast(keys, q.dtype).t()).view(n, H, -1) * hd ** -0.5

@@ -17,6 +17,7 @@ be saved, moved, sharded or compiled. Details: docs/quantization.md, 'dsv4/model
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable
 
 import torch
@@ -149,8 +150,6 @@ _DNNL_LEVELS = ("sse41", "avx", "avx2", "avx2_vnni", "avx2_vnni_2", "avx512_core
 def onednn_isa() -> str:
     """The instruction set oneDNN's int8 matmul runs on here: the CPU's best ("AMX",
     "AVX-512 VNNI", "AVX-512", "AVX2"), capped by ONEDNN_MAX_CPU_ISA (or DNNL_MAX_CPU_ISA)."""
-    import os
-
     c = torch.cpu
     if c._is_amx_tile_supported():
         best = "avx512_core_amx"

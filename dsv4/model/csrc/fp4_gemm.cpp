@@ -1032,9 +1032,9 @@ at::Tensor linear_a8(const at::Tensor& xq_, const at::Tensor& xs_, const at::Ten
   g.xs = xs.data_ptr<float>();
 #if DSV4_AMX
   if (isa == kAmx && M >= kAmxRows && g.N > 0) {
-    const int64_t Mp = (M + 15) / 16 * 16;  // x block-major, [B, Mp, 32], padded rows zero
-    const at::Tensor xb = at::constant_pad_nd(xq, {0, 0, 0, Mp - M}, 0).view({Mp, g.B, kBlock}).permute({1, 0, 2})
-                              .contiguous();
+    const int64_t Mp = (M + 15) / 16 * 16;  // x block-major, [B, Mp, 32], padded rows zero: one copy
+    const at::Tensor xb = at::zeros({g.B, Mp, kBlock}, xq.options());
+    xb.narrow(1, 0, M).copy_(xq.view({M, g.B, kBlock}).permute({1, 0, 2}));
     const int8_t* x = xb.data_ptr<int8_t>();
     at::parallel_for(0, (g.N + 31) / 32, 1, [&](int64_t p0, int64_t p1) { a8_amx(g, x, Mp, p0, p1); });
     return y;
