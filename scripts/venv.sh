@@ -23,10 +23,9 @@ fi
 # The fp4 GEMM extension (dsv4/model/fp4_kernel.py), compiled into the per-user cache
 # ($XDG_CACHE_HOME/dsv4/ext): again when its source or the install changed, or its .so is
 # gone. A failed build prints one line and leaves the torch fallback; set-up goes on.
-fp4_src=dsv4/model/csrc/fp4_gemm.cpp
 fp4_stamp="$VENV/.dsv4-fp4-ext"
 fp4_so=$(cat "$fp4_stamp" 2>/dev/null || true)
-if [ ! -f "$fp4_stamp" ] || [ "$fp4_src" -nt "$fp4_stamp" ] || [ dsv4/model/fp4_kernel.py -nt "$fp4_stamp" ] ||
+if [ ! -f "$fp4_stamp" ] || [ -n "$(find dsv4/model/csrc -newer "$fp4_stamp" 2>/dev/null)" ] || [ dsv4/model/fp4_kernel.py -nt "$fp4_stamp" ] ||
    [ "$stamp" -nt "$fp4_stamp" ] ||
    { [ -n "$fp4_so" ] && [ ! -f "$fp4_so" ]; }; then
   "$VENV/bin/python" -c 'import sys; from dsv4.model import fp4_kernel; sys.exit(fp4_kernel.main(sys.argv[1:]))' \

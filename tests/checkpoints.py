@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 import dsv4
 from dsv4.model.save import save_checkpoint
@@ -16,8 +17,9 @@ TOKENIZER_DIR = Path(dsv4.__file__).parent / "assets" / "tiny-shakespeare"
 
 
 def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, quantize: bool = False, num_shards: int = 1,
-                          with_tokenizer: bool = True, **over) -> DeepseekV4:
-    """A tiny random model (vocab 4096, the embedded tokenizer) saved in fp32 official layout.
+                          with_tokenizer: bool = True, head_bf16: bool = False, **over) -> DeepseekV4:
+    """A tiny random model (vocab 4096, the embedded tokenizer) saved in fp32 official layout
+    (`head_bf16`: the head stored BF16, as the official checkpoints store it).
 
     Returns the model (fp32, the exact weights written unless `quantize`).
     """
@@ -26,8 +28,17 @@ def write_tiny_checkpoint(path: str | Path, *, seed: int = 0, quantize: bool = F
     cfg = tiny_config(**over)
     torch.manual_seed(seed)
     model = init_random(DeepseekV4(cfg), seed=seed).eval()
+    if head_bf16:
+        with torch.no_grad():
+            model.head.weight.copy_(model.head.weight.bfloat16().float())
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     save_checkpoint(path, sd, tiny_dict(**over), quantize=quantize, dtype=torch.float32, num_shards=num_shards)
+    if head_bf16:
+        for f in path.glob("*.safetensors"):
+            tensors = load_file(f)
+            if "head.weight" in tensors:
+                tensors["head.weight"] = tensors["head.weight"].bfloat16()
+                save_file(tensors, f, metadata={"format": "pt"})
     if with_tokenizer:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(TOKENIZER_DIR / f, path / f)

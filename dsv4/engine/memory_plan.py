@@ -88,20 +88,34 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:8.2f} GiB"
 
 
+def _stored_dtype(model_dir: Any, name: str) -> str | None:
+    """The safetensors dtype `name` has in the checkpoint at `model_dir`; None without one (a
+    config.json alone, as the published V4 configs in the tests: the official format then)."""
+    from dsv4.model.checkpoint import Checkpoint, CheckpointError
+
+    try:
+        entry = Checkpoint(model_dir).entries.get(name)
+    except (CheckpointError, OSError, TypeError):
+        return None
+    return entry.dtype if entry is not None else None
+
+
 def weight_parts(config: Any, exact: bool = False) -> list[Part]:
     """The weights of rank 0 by kind, with their formats. The routed experts of a layer are
     alike, so unless `exact` the meta model is built with one per rank and their bytes scaled
     by the experts a rank holds (building all of V4 Pro's takes seconds, even on meta:
     docs/quantization.md, 'dsv4/engine/memory_plan.py')."""
-    from dsv4.model.loader import meta_model
+    from dsv4.model.loader import head_as_stored, meta_model
 
     mc, T = config.model_config, config.tensor_parallel_size
+    head = head_as_stored(config.quantization, config.torch_dtype, config.device.split(":")[0],
+                          _stored_dtype(config.model, "head.weight"))
     scale = 1
     if not exact and mc.n_routed_experts > T:
         scale = mc.n_routed_experts // T
         # one expert per rank; the router's rows (and the hash table's ids) follow the real count
         mc = dataclasses.replace(mc, n_routed_experts=T, num_experts_per_tok=min(mc.num_experts_per_tok, T))
-    model, _ = meta_model(mc, config.quantization, config.torch_dtype, config.has_mtp, 0, T)
+    model, _ = meta_model(mc, config.quantization, config.torch_dtype, config.has_mtp, 0, T, head_stored=head)
     sums: dict[str, dict[str, int]] = {}
     for name, t in model.state_dict().items():
         kind = next((label for label, rx in KINDS if rx.fullmatch(name)), "other (norms, router, mHC, MTP)")

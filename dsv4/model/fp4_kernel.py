@@ -29,7 +29,9 @@ import torch
 from ..private_paths import PathError, check_private_dir, check_trusted_chain
 from .quant import dequantize_fp4, e8m0_bytes
 
-SOURCE = Path(__file__).with_name("csrc") / "fp4_gemm.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "fp4_gemm.cpp", CSRC / "bf16_gemm.cpp")  # compiled into one library
+HEADERS = (CSRC / "cpu_isa.h",)
 NAME = "dsv4_fp4_gemm"
 # no fma contraction (the A8 contract is mul, then add); -fopenmp because at::parallel_for is
 # an inline `#pragma omp parallel` in torch's OpenMP build: without it the GEMMs run on one thread
@@ -58,7 +60,7 @@ def cache_root() -> Path:
 
 def build_dir() -> Path:
     """This source's build directory, keyed by the source and flags' hash and torch's version."""
-    h = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    h = hashlib.sha256(b"".join(f.read_bytes() for f in SOURCES + HEADERS) + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return cache_root() / f"fp4_gemm-{h}-torch{torch.__version__}"
 
 
@@ -131,6 +133,8 @@ def _register_fakes() -> None:
             lambda xq, xs, packed, scale, isa: xq.new_empty((xq.shape[0], packed.shape[0]), dtype=torch.float32))
         torch.library.register_fake("dsv4_fp4::linear_f")(
             lambda x, packed, scale, isa: x.new_empty((x.shape[0], packed.shape[0]), dtype=torch.float32))
+        torch.library.register_fake("dsv4_fp4::linear_bf16")(
+            lambda x, w, isa: x.new_empty((x.shape[0], w.shape[0]), dtype=torch.float32))
     except RuntimeError:  # registered already (the same library loaded twice)
         pass
 
@@ -143,9 +147,9 @@ def build(verbose: bool = False) -> Path:
         _check_dir(d, create=True)
     except PathError as e:
         raise BuildError(str(e)) from None
-    code = ("import sys, torch.utils.cpp_extension as c; c.load(name=sys.argv[1], sources=[sys.argv[2]], "
-            "build_directory=sys.argv[3], extra_cflags=sys.argv[4:], extra_ldflags=['-fopenmp'], is_python_module=False, verbose=True)")
-    r = subprocess.run([sys.executable, "-c", code, NAME, str(SOURCE), str(d), *CFLAGS],
+    code = ("import sys, torch.utils.cpp_extension as c; c.load(name=sys.argv[1], sources=sys.argv[3].split(':'), "
+            "build_directory=sys.argv[2], extra_cflags=sys.argv[4:], extra_ldflags=['-fopenmp'], is_python_module=False, verbose=True)")
+    r = subprocess.run([sys.executable, "-c", code, NAME, str(d), ":".join(map(str, SOURCES)), *CFLAGS],
                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = d / "build.log"
     log.write_text(r.stdout)
@@ -200,9 +204,20 @@ def available_isas() -> list[str]:
     return [name for i, name in enumerate(ISAS) if mask >> i & 1]
 
 
+@torch.compiler.assume_constant_result
+def _current_code() -> int:
+    """This process's path as its isa code, -1 for the torch fallback: a constant to
+    torch.compile, which calls it once while tracing (it cannot trace the choice's caches)."""
+    code = _current()[0]
+    return -1 if code is None else code
+
+
 def _isa(isa: str | None, *tensors: torch.Tensor) -> int | None:
     if isa is None:
-        return _current()[0] if all(t.device.type == "cpu" for t in tensors) else None
+        if not all(t.device.type == "cpu" for t in tensors):
+            return None
+        code = _current_code()
+        return None if code < 0 else code
     if isa == "torch":
         return None
     if isa not in available_isas():
@@ -251,7 +266,7 @@ def linear_a8(xq: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, scale: t
     code = _isa(isa, xq, p, s)
     if code is None:
         return _a8_torch(xq, xs.reshape(-1, 1), p, s)
-    return _library()[0].linear_a8(xq, xs.reshape(-1), p, s, code)
+    return torch.ops.dsv4_fp4.linear_a8(xq, xs.reshape(-1), p, s, code)
 
 
 def linear_f(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
@@ -264,11 +279,34 @@ def linear_f(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, isa:
     if code is None:
         y = _f_torch(x32, p, s)
     else:
-        y = _library()[0].linear_f(x32, p, s, code)
+        y = torch.ops.dsv4_fp4.linear_f(x32, p, s, code)
     return y.to(x.dtype)
 
 
+def linear_bf16(x: torch.Tensor, w: torch.Tensor, *, isa: str | None = None) -> torch.Tensor:
+    """float32 x [M, K] @ bfloat16 w [N, K] (the weight as stored, widened as it is read) ->
+    float32 [M, N]: x @ w.float().T, every C++ path giving the same bits for a row whatever
+    the rows beside it (csrc/bf16_gemm.cpp); the torch fallback within float32 rounding.
+    `isa`: force a path, as for `linear_a8` ("amx" runs the AVX-512 one)."""
+    _activations(x, (torch.float32,), "x")
+    if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] != x.shape[1] or (w.shape[1] > 1 and w.stride(1) != 1):
+        raise ValueError(f"bf16 GEMM: w must be bfloat16 [N, {x.shape[1]}] with contiguous rows; "
+                         f"got {tuple(w.shape)} {w.dtype}")
+    code = _isa(isa, x, w)
+    if code is None:
+        return _bf16_torch(x, w)
+    return torch.ops.dsv4_fp4.linear_bf16(x, w, code)
+
+
 # ----------------------------------------------------------------------------- torch fallback
+def _bf16_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`linear_bf16` by float32 matmuls, _N_CHUNK weight rows widened at a time."""
+    y = x.new_empty((x.shape[0], w.shape[0]))
+    for lo in range(0, w.shape[0], _N_CHUNK):
+        torch.mm(x, w[lo:lo + _N_CHUNK].float().t(), out=y[:, lo:lo + _N_CHUNK])
+    return y
+
+
 @functools.lru_cache(maxsize=None)
 def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(2 * e2m1 as int32 [16], 2^(S - 128) as float32 [256] with S = 255 NaN), on `device`."""

@@ -18,12 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig, YarnParams, yarn_inv_freq
-from . import parallel
+from . import fp4_kernel, parallel
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` without bias; for packed rows [T, in] straight to `mm` (the same
-    kernel F.linear reaches, minus two dispatch layers: decode runs ~80 of these a step)."""
+    kernel F.linear reaches, minus two dispatch layers: decode runs ~80 of these a step).
+    A bfloat16 weight kept as stored under float32 x (the head: `loader.head_as_stored`) is
+    widened as it is read (`fp4_kernel.linear_bf16`)."""
+    if w.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2:
+        return fp4_kernel.linear_bf16(x, w)
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
 
 

@@ -101,7 +101,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         except kernels.W8A8Error as e:
             raise CheckpointError(str(e)) from None
     with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in ck.shapes)
-    model, layout = meta_model(cfg, quantization, dtype, with_mtp, rank, world)
+    stored = ck.entries["head.weight"].dtype if "head.weight" in ck.entries else None
+    model, layout = meta_model(cfg, quantization, dtype, with_mtp, rank, world,
+                               head_stored=head_as_stored(quantization, dtype, dev, stored))
     sd = model.state_dict()
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
     try:
@@ -136,10 +138,21 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     return model.eval()
 
 
+def head_as_stored(quantization: str, dtype: torch.dtype, device: str | torch.device, stored: str | None) -> bool:
+    """Whether the head keeps its stored bfloat16 (`stored`: the checkpoint's safetensors dtype,
+    None: the official format, BF16) where the model computes in float32: under the int8 modes
+    on the CPU, whose decode step it dominates otherwise (float32 is twice the bytes a token
+    reads). `fp4_kernel.linear_bf16` widens each weight as it reads it: the same values as a
+    float32 copy, within float32 rounding of its matmul (docs/quantization.md)."""
+    return (quantization in INT8_MODES and dtype == torch.float32 and torch.device(device).type == "cpu"
+            and stored in (None, "BF16"))
+
+
 def meta_model(cfg: ModelConfig, quantization: str, dtype: torch.dtype, with_mtp: bool, rank: int = 0,
-               world: int = 1) -> tuple[DeepseekV4, sharding.Layout | None]:
+               world: int = 1, head_stored: bool = False) -> tuple[DeepseekV4, sharding.Layout | None]:
     """The model as `load_model` holds it (formats, dtypes, rank `rank`'s part of `world`), on
-    the meta device: what the weights will be, before any is read (the loader; `memory_plan`)."""
+    the meta device: what the weights will be, before any is read (the loader; `memory_plan`).
+    `head_stored`: the head stays bfloat16 (`head_as_stored`)."""
     with torch.device("meta"):
         model = DeepseekV4(cfg, with_mtp=with_mtp)
     if quantization.endswith("mxfp4"):
@@ -148,6 +161,8 @@ def meta_model(cfg: ModelConfig, quantization: str, dtype: torch.dtype, with_mtp
         to_w8a8(model)
     layout = sharding.shard_model(model, rank, world) if world > 1 else None
     _set_dtypes(model, dtype)
+    if head_stored:
+        model.head.weight.data = model.head.weight.data.to(torch.bfloat16)
     return model, layout
 
 

@@ -29,7 +29,8 @@ def tiny_model(request) -> DeepseekV4:
     experts kept MXFP4 (`--quantization mxfp4`: float activations, and `w8a8-mxfp4`: int8
     activations, the rest w8a8): every test of it runs on all five, so the invariants
     (chunked = whole, rollback, MTP, prefix hits) hold for each format. The int8-activation
-    models carry `float_twin`, the same weights in float32 (see `bound`)."""
+    models hold their head in bfloat16, as the loader keeps an official checkpoint's (read by
+    `fp4_kernel.linear_bf16`), and carry `float_twin`, the same weights in float32 (see `bound`)."""
     quantized = "w8a8" in request.param
     over = W8A8_DENSE if quantized else {}
 
@@ -38,6 +39,9 @@ def tiny_model(request) -> DeepseekV4:
         m = init_random(DeepseekV4(tiny_config(**over)), seed=0).eval()
         if "mxfp4" in request.param:  # the experts as FP4 stores them: the twin holds them dequantised
             fp4_experts(m) if twin else to_mxfp4(m, act_int8=quantized)
+        if quantized:  # the head as an official checkpoint stores it, kept so (loader.head_as_stored)
+            head = m.head.weight.data.to(torch.bfloat16)
+            m.head.weight.data = head.float() if twin else head
         if quantized and not twin:
             to_w8a8(m)
         return m.fuse_projections() if twin or request.param.endswith("fused") else m

@@ -199,7 +199,7 @@ def test_build_dir_is_per_user_and_keyed(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     d = fk.build_dir()
     assert d.parent == tmp_path / "dsv4" / "ext" and d.name.endswith(f"-torch{torch.__version__}")
-    assert fk.SOURCE.is_file() and Path(fk.__file__).parent / "csrc" == fk.SOURCE.parent
+    assert all(f.is_file() and f.parent == Path(fk.__file__).parent / "csrc" for f in fk.SOURCES + fk.HEADERS)
 
 
 def test_the_build_the_venv_recorded_is_found_under_another_cache_home(monkeypatch, tmp_path):
@@ -268,3 +268,44 @@ def test_results_do_not_depend_on_the_thread_count():
             assert torch.equal(fk.linear_f(x, packed, scale, isa=p), one[p][1]), p
     finally:
         torch.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------- linear_bf16
+@pytest.mark.exact
+@pytest.mark.parametrize("m,n,k", [(1, 37, 16), (3, 9, 40), (5, 130, 256), (17, 67, 33), (70, 21, 100), (2, 5, 1)])
+def test_bf16_head_product_is_one_order_on_every_path(m, n, k):
+    """`linear_bf16`: every C++ path gives the same bits (its one order of sums), a row the same
+    bits alone as in any batch and on any thread count, and x @ w.float().T to float32
+    rounding; the torch fallback within that rounding too."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    ref = x.double() @ w.double().t()
+    tol = 1e-6 * (x.double().abs() @ w.double().abs().t()).max().item()
+    outs = {isa: fk.linear_bf16(x, w, isa=isa) for isa in fk.available_isas() + ["torch"]}
+    for isa, y in outs.items():
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        assert (y.double() - ref).abs().max().item() <= tol, isa
+    paths = fk.available_isas()
+    for isa in paths:
+        assert torch.equal(outs[isa], outs[paths[0]]), isa
+        alone = torch.cat([fk.linear_bf16(x[i:i + 1], w, isa=isa) for i in range(m)])
+        assert torch.equal(alone, outs[isa]), isa
+    if paths:
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(fk.linear_bf16(x, w, isa=paths[-1]), outs[paths[-1]])
+        finally:
+            torch.set_num_threads(threads)
+        strided = torch.randn(m, 2 * k, generator=g)[:, ::2]  # a view: rows not contiguous
+        assert torch.equal(fk.linear_bf16(strided, w, isa=paths[-1]), fk.linear_bf16(strided.contiguous(), w, isa=paths[-1]))
+
+
+def test_bf16_head_product_refuses_what_it_cannot_take():
+    x, w = torch.randn(2, 8), torch.randn(3, 8).bfloat16()
+    for bad_x, bad_w, what in [(x.double(), w, "x must be"), (x, w.float(), "w must be bfloat16"),
+                               (x, torch.randn(3, 9).bfloat16(), "w must be bfloat16"),
+                               (x, torch.randn(8, 6).bfloat16().t(), "contiguous rows")]:
+        with pytest.raises(ValueError, match=what):
+            fk.linear_bf16(bad_x, bad_w)

@@ -117,14 +117,16 @@ VARIANTS = ["none", "w8a8", "converted"]
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> dict[str, tuple[Path, str, list[dict]]]:
-    """FP8 linears (128x128 block scales cut through by the T = 2 slices) and FP4 experts, loaded
+    """FP8 linears (128x128 block scales cut through by the T = 2 slices), FP4 experts and a BF16
+    head (kept so by the int8 modes, each rank holding its vocabulary rows), loaded
     as stored (none), converted at load (w8a8), and from a `dsv4 convert` output (converted:
     int8 rows + row scales on disk, sliced as stored); all three on one group of 2 ranks."""
     from dsv4.model.convert import convert_checkpoint
 
     tmp = tmp_path_factory.mktemp("tp")
     fp8 = tmp / "ck"
-    write_tiny_checkpoint(fp8, quantize=True, num_shards=2, with_tokenizer=False, vocab_size=256, **W8A8_DENSE)
+    write_tiny_checkpoint(fp8, quantize=True, num_shards=2, with_tokenizer=False, vocab_size=256, head_bf16=True,
+                          **W8A8_DENSE)
     convert_checkpoint(fp8, tmp / "w8a8")
     variants = {"none": (fp8, "none"), "w8a8": (fp8, "w8a8"), "converted": (tmp / "w8a8", "w8a8")}
     outs = run_parallel(list(variants.values()), tmp)

@@ -295,3 +295,25 @@ def test_draft_head_kernel_is_the_int8_head(rows, width):
     got = kernels.draft_linear(x, head)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, 300)
     assert (got.float() - exact).abs().max() <= 0.02 * exact.abs().max()
+
+
+@pytest.mark.exact
+def test_int8_modes_keep_an_official_bf16_head_as_stored(tmp_path):
+    """An official checkpoint's BF16 head stays BF16 under the int8 modes on the CPU (half
+    the bytes a decode step reads through it) and is multiplied widened as read: the logits
+    are those of the same head in float32 to float32 rounding, and the int8 draft head is
+    the same quantisation of the same values. A float32-stored head, and `--quantization
+    none`, stay float32."""
+    write_tiny_checkpoint(tmp_path / "bf16", quantize=True, with_tokenizer=False, head_bf16=True)
+    write_tiny_checkpoint(tmp_path / "f32", quantize=True, with_tokenizer=False)
+    for q in ("w8a8", "w8a8-mxfp4"):
+        m = load_model(tmp_path / "bf16", quantization=q)
+        assert m.head.weight.dtype == torch.bfloat16, q
+        assert load_model(tmp_path / "f32", quantization=q).head.weight.dtype == torch.float32, q
+        wide = load_model(tmp_path / "bf16", quantization=q)
+        wide.head.weight.data = wide.head.weight.data.float()
+        wq, ws = kernels.quantize_rows(wide.head.weight)
+        assert torch.equal(m.draft_head["weight"], wq) and torch.equal(m.draft_head["scale"], ws)
+        a, b = _logits(m), _logits(wide)
+        assert a.dtype == torch.float32 and (a - b).abs().max() <= 1e-5 * b.abs().max(), q
+    assert load_model(tmp_path / "bf16").head.weight.dtype == torch.float32

@@ -149,3 +149,26 @@ def test_a_compile_build_is_planned_and_refused_before_it_runs_out_of_memory(tmp
     built = {x["what"]: x["bytes"] for x in with_build["parts"]}
     assert M.COMPILE_BUILD in built and M.COMPILE_BUILD not in {x["what"] for x in without["parts"]}
     assert with_build["host_bytes"] == without["host_bytes"] + built[M.COMPILE_BUILD]
+
+
+def test_the_head_is_planned_as_the_loader_holds_it(tmp_path, capsys):
+    """Under the int8 modes in float32 on the CPU the official BF16 head stays BF16
+    (`loader.head_as_stored`); otherwise, and for a checkpoint that stores it in float32, it
+    is float32. The plan counts what the loader will hold."""
+    V, D = 129280, 4096
+    for q, dtype, head_bytes in [("w8a8-mxfp4", "float32", 2), ("w8a8", "float32", 2), ("mxfp4", "float32", 4),
+                                 ("w8a8-mxfp4", "bfloat16", 2)]:
+        p = _plan(capsys, "deepseek-v4-flash", "--quantization", q, "--dtype", dtype, "--memory", "512GiB")
+        part = next(x for x in p["parts"] if x["what"] == "weights: embedding and head")
+        embed = V * D * (4 if dtype == "float32" else 2)
+        draft = V * (D + 4) if q.startswith("w8a8") else 0
+        assert part["bytes"] == embed + V * D * head_bytes + draft, (q, dtype, part)
+    write_tiny_checkpoint(tmp_path / "f32", quantize=True, with_tokenizer=False)
+    write_tiny_checkpoint(tmp_path / "bf16", quantize=True, with_tokenizer=False, head_bf16=True)
+    sizes = {}
+    for name in ("f32", "bf16"):
+        config = EngineConfig(**engine_kwargs(model=str(tmp_path / name), quantization="w8a8"))
+        plan = {x.what: x.bytes for x in M.weight_parts(config)}
+        sizes[name] = plan["weights: embedding and head"]
+    cfg = config.model_config
+    assert sizes["f32"] - sizes["bf16"] == cfg.vocab_size * cfg.hidden_size * 2

@@ -35,6 +35,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #if defined(__x86_64__)
 #define DSV4_X86 1
 #include <immintrin.h>
@@ -952,33 +954,7 @@ T256 void f_avx2(const Gemm& g, int64_t t0, int64_t t1) {
 #endif  // DSV4_X86
 
 // ------------------------------------------------------------------------------ dispatch
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
-
-bool cpu_has(int64_t isa) {
-  if (isa == kScalar) return true;
-#if DSV4_X86
-  __builtin_cpu_init();
-  switch (isa) {
-    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    case kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
-    case kAmx: {  // the AVX-512 path's features, AMX's, and the kernel's leave to use the tiles
-#if DSV4_AMX
-      static const bool ok = cpu_has(kAvx512) && __builtin_cpu_supports("amx-tile") &&
-                             __builtin_cpu_supports("amx-int8") && amx_permitted();
-      return ok;
-#else
-      return false;
-#endif
-    }
-    default: return false;
-  }
-#else
-  return false;
-#endif
-}
+using namespace dsv4_isa;
 
 // The ISAs this CPU runs, as a bit mask (bit i: isa i).
 int64_t cpu_isas() {
@@ -1081,6 +1057,36 @@ at::Tensor linear_f(const at::Tensor& x_, const at::Tensor& packed, const at::Te
 }
 
 }  // namespace
+
+namespace dsv4_isa {
+
+bool cpu_has(int64_t isa) {
+  if (isa == kScalar) return true;
+#if DSV4_X86
+  __builtin_cpu_init();
+  switch (isa) {
+    case kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("fma");
+    case kAmx: {  // the AVX-512 path's features, AMX's, and the kernel's leave to use the tiles
+#if DSV4_AMX
+      static const bool ok = cpu_has(kAvx512) && __builtin_cpu_supports("amx-tile") &&
+                             __builtin_cpu_supports("amx-int8") && amx_permitted();
+      return ok;
+#else
+      return false;
+#endif
+    }
+    default: return false;
+  }
+#else
+  return false;
+#endif
+}
+
+}  // namespace dsv4_isa
 
 TORCH_LIBRARY(dsv4_fp4, m) {
   m.def("linear_a8(Tensor xq, Tensor xs, Tensor packed, Tensor scale, int isa) -> Tensor");
