@@ -160,7 +160,8 @@ Profile = Annotated[Optional[Path], typer.Option(
 Threads = Annotated[Optional[int], typer.Option(
     "--threads", metavar="N", rich_help_panel=ENGINE_PANEL, callback=int_range(1),
     help="CPU threads of the engine (torch.set_num_threads); lower it when several engines share a machine "
-         "[default: $OMP_NUM_THREADS, else one fewer than the CPUs this process may use, 1 to 16]")]
+         "[default: $OMP_NUM_THREADS, else every CPU this process may use where OpenMP waits passively "
+         "(OMP_WAIT_POLICY=PASSIVE, set for models of hidden size >= 2048), else one fewer, 1 to 16]")]
 Quantization = Annotated[Optional[str], typer.Option(
     "--quantization", metavar="FORMAT", rich_help_panel=ENGINE_PANEL,
     help="Weight format: none; w8a8 (int8 weights with per-row scales, int8 activations per token); mxfp4 "
@@ -330,10 +331,15 @@ def check_listen_key(endpoint: str, api_key: str | None) -> bool:
 
 def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
     """A validated EngineConfig, or `CliError` (usage) with the validation message; loads no
-    weights. `check_memory`: without --quantization, take the formats that fit this machine
+    weights; first, before torch loads, OpenMP's wait policy for the model
+    (`machine.choose_wait_policy`). `check_memory`: without --quantization, take the formats that fit this machine
     (`memory_plan.fit_default`: float32 where it fits, else the checkpoint's own), and refuse a
     configuration whose memory plan does not fit (`memory_plan.check`), naming the figures and
     the flags that would."""
+    from dsv4.machine import choose_wait_policy
+
+    if not kw.get("planning"):
+        choose_wait_policy(kw.get("model"))  # before torch loads (EngineConfig imports it)
     from dsv4.engine.config import EngineConfig, EngineConfigError
 
     try:

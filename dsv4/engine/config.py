@@ -23,6 +23,7 @@ from typing import Any
 
 from dsv4.config import ConfigError, ModelConfig, block_entry_bytes, state_block_size
 from dsv4 import draft_vocab
+from dsv4.machine import passive_waiting
 
 from dsv4.engine.checks import (EngineConfigError, check_device, check_hosts, check_int, check_model_dir, check_profile_dir,
                      check_tensor_parallel, machine_memory, parse_memory, resolve_dtype, resolve_quantization,
@@ -349,7 +350,8 @@ class EngineConfig:
             + f" (MTP weights: {'yes' if self.has_mtp else 'no'})"
             + (f"; drafts from {len(self.draft_vocab_ids)} of {self.model_config.vocab_size} tokens "
                f"({self.draft_vocab})" if self.draft_vocab_ids is not None else ""),
-            f"CPU threads {self.threads}; default sampling "
+            f"CPU threads {self.threads}" + (" (waiting passively)" if passive_waiting() else "")
+            + "; default sampling "
             + (", ".join(f"{k} {v}" for k, v in self.sampling_defaults.items()) + " (generation_config.json)"
                if self.sampling_defaults else "greedy (no generation_config.json)"),
             f"state pool {self.kv_cache_blocks} blocks of {self.block_size} positions "
@@ -396,14 +398,17 @@ def default_threads(share: int | None = None) -> int:
     for its fair slices, so every region waits for a slice and decoding collapses
     (benchmarks/busy_threads.py, BENCHMARKS.md). A team one core short of the machine leaves
     that core to the rest, at a small cost on an idle machine. OMP_WAIT_POLICY=PASSIVE
-    (threads sleep at once) also ends the collapse, but costs more on an idle machine, so
-    dsv4 leaves it to the user (figures: docs/serving.md, 'dsv4/engine/config.py'). One decode
-    step of a small batch gains little from more than MAX_DEFAULT_THREADS."""
+    (threads sleep at once) also ends the collapse; it costs little where steps are long and
+    much where they are hundreds of tiny regions, so the CLI sets it for long-step models
+    (`machine.choose_wait_policy`), and with it every CPU is the default (figures:
+    docs/serving.md, 'dsv4/engine/config.py'). One decode step of a small batch gains little
+    from more than MAX_DEFAULT_THREADS."""
     env = os.environ.get("OMP_NUM_THREADS", "")
     if env.isdigit() and int(env) > 0:
         return int(env)
     cpus = usable_cpus()
-    return max(1, min(cpus - 1 if share is None else cpus // share, MAX_DEFAULT_THREADS))
+    own = cpus if passive_waiting() else cpus - 1
+    return max(1, min(own if share is None else cpus // share, MAX_DEFAULT_THREADS))
 
 
 def load_threads(threads: int, ranks_here: int) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -344,12 +346,53 @@ def test_default_threads_leave_a_core_free(cpus: int, expected: int, monkeypatch
     from dsv4.engine.config import default_threads
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
     assert default_threads() == expected
     monkeypatch.setenv("OMP_NUM_THREADS", str(cpus))
     assert default_threads() == cpus
     monkeypatch.setenv("OMP_NUM_THREADS", "")  # set but empty: as if unset
     assert default_threads() == expected
+
+
+@pytest.mark.parametrize("cpus, expected", [(1, 1), (2, 2), (8, 8), (64, 16)])
+def test_threads_that_wait_passively_take_every_core(cpus: int, expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With OMP_WAIT_POLICY=PASSIVE (set by the CLI for long-step models, or by the user) a
+    team's threads sleep at each barrier instead of spinning, so none is kept back; the
+    banner says so."""
+    from dsv4.engine.config import default_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+    assert default_threads() == expected
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert default_threads() == max(1, min(cpus - 1, 16))
+
+
+FLASH_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek-v4-flash"
+
+
+def test_the_cli_makes_openmp_wait_passively_for_long_step_models_only(tmp_path: Path) -> None:
+    """`machine.choose_wait_policy`, as `build_config` calls it before torch loads: PASSIVE for
+    V4 Flash's widths (hidden 4096), nothing for the embedded model; never over the user's own
+    policy, and never once torch (OpenMP) is loaded, when it would no longer take effect."""
+    from dsv4.cli.options import engine_kwargs
+
+    code = ("import os, sys; from dsv4.machine import choose_wait_policy; {pre}"
+            "print(choose_wait_policy(sys.argv[1]), os.environ.get('OMP_WAIT_POLICY'))")
+    embedded = engine_kwargs()["model"]
+
+    def run(model: str, pre: str = "", **env: str) -> str:
+        environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | env
+        return subprocess.run([sys.executable, "-c", code.format(pre=pre), model], capture_output=True, text=True,
+                              env=environ, check=True).stdout.strip()
+
+    assert run(str(FLASH_CONFIG)) == "True PASSIVE"
+    assert run(embedded) == "False None"
+    assert run(str(FLASH_CONFIG), OMP_WAIT_POLICY="active") == "False active"
+    assert run(str(FLASH_CONFIG), pre="import torch; ") == "False None"
+    assert run(str(tmp_path)) == "False None"  # no config.json: nothing to judge by
 
 
 def test_generation_config_defaults_read_at_validation(tmp_path: Path) -> None:
