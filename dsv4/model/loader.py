@@ -106,6 +106,7 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
                                head_stored=head_as_stored(quantization, dtype, dev, stored))
     sd = model.state_dict()
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
+    out_of_memory = ""
     try:
         model.to_empty(device=dev)
         files, fused, grouped = MappedFiles(), set(), set()
@@ -123,9 +124,12 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
             raise
         need = sum(t.numel() * t.element_size() for t in sd.values())
         hint = " or --quantization w8a8" if quantization == "none" else ""
-        raise CheckpointError(f"out of memory loading {path} on {dev}: its weights need {need / 2**20:.0f} MiB "
-                              f"as {quantization} {str(dtype).removeprefix('torch.')}; free memory, use a smaller "
-                              f"--dtype{hint}") from None
+        out_of_memory = (f"out of memory loading {path} on {dev}: its weights need {need / 2**20:.0f} MiB as "
+                         f"{quantization} {str(dtype).removeprefix('torch.')}; free memory, use a smaller --dtype{hint}")
+    if out_of_memory:  # raised out here, the partial model freed: the caller must still have memory to report it
+        del model, sd
+        _release_free_memory()
+        raise CheckpointError(out_of_memory)
     check_tid2eid(model.state_dict(), cfg.n_routed_experts)
     model.make_rope_tables(dev)
     if draft_vocab is not None and model.has_mtp:

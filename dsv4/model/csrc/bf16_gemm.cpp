@@ -83,6 +83,13 @@ struct Tail {
   alignas(64) uint16_t w[kLanes];
 };
 
+// The rows of x and of w a tile of MR x NR outputs at (m0, n0) reads.
+template <int MR, int NR>
+inline void tile_rows(const Args& a, int64_t m0, int64_t n0, const float* (&x)[MR], const uint16_t* (&w)[NR]) {
+  for (int i = 0; i < MR; ++i) x[i] = a.x + (m0 + i) * a.xs;
+  for (int r = 0; r < NR; ++r) w[r] = a.w + (n0 + r) * a.ws;
+}
+
 inline void tail_of(const float* x, const uint16_t* w, int64_t k, int64_t K, Tail& t) {
   std::memset(&t, 0, sizeof t);
   std::memcpy(t.x, x + k, (K - k) * sizeof(float));
@@ -98,9 +105,10 @@ T512 inline __m512 widen16(const uint16_t* w) {
 }
 
 T512 inline float reduce512(__m512 s) {
-  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(s), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1)));  // s[j] + s[j + 8]
-  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));     // t[j] + t[j + 4]
-  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                      // u0 + u2, u1 + u3
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s), 1));  // lanes 8-15
+  const __m256 t = _mm256_add_ps(_mm512_castps512_ps256(s), high);                      // s[j] + s[j + 8]
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // t[j] + t[j + 4]
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));                                   // u0 + u2, u1 + u3
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_shuffle_ps(v, v, 1)));
 }
 
@@ -111,8 +119,7 @@ T512 void tile_avx512(const Args& a, int64_t m0, int64_t n0) {
     for (int r = 0; r < NR; ++r) acc[i][r] = _mm512_setzero_ps();
   const float* x[MR];
   const uint16_t* w[NR];
-  for (int i = 0; i < MR; ++i) x[i] = a.x + (m0 + i) * a.xs;
-  for (int r = 0; r < NR; ++r) w[r] = a.w + (n0 + r) * a.ws;
+  tile_rows(a, m0, n0, x, w);
   int64_t k = 0;
   for (; k + kLanes <= a.K; k += kLanes) {
     __m512 wv[NR];
@@ -156,8 +163,7 @@ T256 void tile_avx2(const Args& a, int64_t m0, int64_t n0) {
     for (int r = 0; r < NR; ++r) lo[i][r] = hi[i][r] = _mm256_setzero_ps();
   const float* x[MR];
   const uint16_t* w[NR];
-  for (int i = 0; i < MR; ++i) x[i] = a.x + (m0 + i) * a.xs;
-  for (int r = 0; r < NR; ++r) w[r] = a.w + (n0 + r) * a.ws;
+  tile_rows(a, m0, n0, x, w);
   int64_t k = 0;
   for (; k + kLanes <= a.K; k += kLanes) {
     __m256 wl[NR], wh[NR];
