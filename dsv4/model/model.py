@@ -128,8 +128,9 @@ class DeepseekV4(nn.Module):
         w = kept.pop("weight", self.head.weight).detach()  # [V, D] (this rank's vocabulary slice under TP)
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         sc = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-        for lo in range(0, w.shape[0], rows):
-            q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(w[lo:lo + rows])
+        for lo in range(0, w.shape[0], rows):  # a float32 copy of `rows` rows, quantised in place
+            chunk = w[lo:lo + rows].to(torch.float32, copy=True)
+            q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(chunk, scratch=True)
         self.draft_head = {**kept, "weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
 
