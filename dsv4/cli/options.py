@@ -329,15 +329,38 @@ def check_listen_key(endpoint: str, api_key: str | None) -> bool:
     return True
 
 
+# hidden width from which a decode step's parallel regions are long enough that OpenMP threads
+# sleeping at each barrier cost little (the peer's V4 Flash slice, 4096: 0.89x of spinning
+# threads' decode rate on an idle machine; the embedded model, whose regions are tiny: 0.42x)
+LONG_STEP_HIDDEN = 2048
+
+
+def choose_wait_policy(model: str | None) -> bool:
+    """Set OMP_WAIT_POLICY=PASSIVE for a model whose steps are long (config.json's hidden_size
+    >= LONG_STEP_HIDDEN), unless the environment sets a policy or torch (and with it OpenMP,
+    which reads the policy once, when it loads) is imported already. Then the engine's default
+    threads take every core (`engine.config.default_threads`): sleeping threads leave a core
+    to whatever else runs, where spinning ones collapse beside it. Returns whether it set it."""
+    from dsv4.config import ConfigError, ModelConfig  # no torch
+
+    if "OMP_WAIT_POLICY" in os.environ or "torch" in sys.modules or not model:
+        return False
+    try:
+        if ModelConfig.from_dir(Path(model).expanduser()).hidden_size < LONG_STEP_HIDDEN:
+            return False
+    except ConfigError:  # the engine's validation reports it
+        return False
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    return True
+
+
 def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
     """A validated EngineConfig, or `CliError` (usage) with the validation message; loads no
     weights; first, before torch loads, OpenMP's wait policy for the model
-    (`machine.choose_wait_policy`). `check_memory`: without --quantization, take the formats that fit this machine
+    (`choose_wait_policy`). `check_memory`: without --quantization, take the formats that fit this machine
     (`memory_plan.fit_default`: float32 where it fits, else the checkpoint's own), and refuse a
     configuration whose memory plan does not fit (`memory_plan.check`), naming the figures and
     the flags that would."""
-    from dsv4.machine import choose_wait_policy
-
     if not kw.get("planning"):
         choose_wait_policy(kw.get("model"))  # before torch loads (EngineConfig imports it)
     from dsv4.engine.config import EngineConfig, EngineConfigError

@@ -400,7 +400,7 @@ def default_threads(share: int | None = None) -> int:
     that core to the rest, at a small cost on an idle machine. OMP_WAIT_POLICY=PASSIVE
     (threads sleep at once) also ends the collapse; it costs little where steps are long and
     much where they are hundreds of tiny regions, so the CLI sets it for long-step models
-    (`machine.choose_wait_policy`), and with it every CPU is the default (figures:
+    (`cli.options.choose_wait_policy`), and with it every CPU is the default (figures:
     docs/serving.md, 'dsv4/engine/config.py'). One decode step of a small batch gains little
     from more than MAX_DEFAULT_THREADS."""
     env = os.environ.get("OMP_NUM_THREADS", "")

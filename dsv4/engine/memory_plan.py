@@ -108,9 +108,8 @@ def weight_parts(config: Any, exact: bool = False) -> list[Part]:
     from dsv4.model.loader import head_as_stored, meta_model
 
     mc, T = config.model_config, config.tensor_parallel_size
-    int8 = config.quantization.startswith("w8a8")  # the modes that may keep the head as stored: read its header
-    head = int8 and head_as_stored(config.quantization, config.torch_dtype, config.device.split(":")[0],
-                                   _stored_dtype(config.model, "head.weight"))
+    head = head_as_stored(config.quantization, config.torch_dtype, config.device.split(":")[0],
+                          lambda: _stored_dtype(config.model, "head.weight"))
     scale = 1
     if not exact and mc.n_routed_experts > T:
         scale = mc.n_routed_experts // T

@@ -23,11 +23,7 @@ from . import fp4_kernel, parallel
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """`F.linear(x, w)` without bias; for packed rows [T, in] straight to `mm` (the same
-    kernel F.linear reaches, minus two dispatch layers: decode runs ~80 of these a step).
-    A bfloat16 weight kept as stored under float32 x (the head: `loader.head_as_stored`) is
-    widened as it is read (`fp4_kernel.linear_bf16`)."""
-    if w.dtype == torch.bfloat16 and x.dtype == torch.float32 and x.dim() == 2:
-        return fp4_kernel.linear_bf16(x, w)
+    kernel F.linear reaches, minus two dispatch layers: decode runs ~80 of these a step)."""
     return torch.mm(x, w.t()) if x.dim() == 2 else F.linear(x, w)
 
 
@@ -53,6 +49,22 @@ class Linear(nn.Module):
         G = x.shape[1]
         w = self.weight.view(G, self.weight.shape[0] // G, -1)  # [G, O, in]
         return torch.bmm(x.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [T, G, O]
+
+
+class StoredLinear(Linear):
+    """A `Linear` whose weight stays bfloat16 as the checkpoint stores it while the model
+    computes in float32 (the head under the int8 modes: `loader.head_as_stored`): float32 x
+    [T, in] times each weight widened as it is read (`fp4_kernel.linear_bf16`), the float32
+    weight's values at half the bytes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp4_kernel.linear_bf16(x, self.weight)
+
+    @classmethod
+    def keep(cls, lin: Linear) -> None:
+        """Turn `lin` (a float Linear, meta or not) into one holding its weight in bfloat16."""
+        lin.weight.data = lin.weight.data.to(torch.bfloat16)
+        lin.__class__ = cls
 
 
 class Embedding(nn.Module):

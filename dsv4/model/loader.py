@@ -24,6 +24,7 @@ from . import int8pack, kernels, parallel, sharding
 from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .fusion import Source
+from .layers import StoredLinear
 from .model import DeepseekV4
 from .mapped import MappedFiles
 from .mxfp4 import FP4Linear, to_mxfp4
@@ -101,9 +102,9 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
         except kernels.W8A8Error as e:
             raise CheckpointError(str(e)) from None
     with_mtp = cfg.num_nextn_predict_layers > 0 and any(k.startswith("mtp.0.") for k in ck.shapes)
-    stored = ck.entries["head.weight"].dtype if "head.weight" in ck.entries else None
+    head = ck.entries.get("head.weight")
     model, layout = meta_model(cfg, quantization, dtype, with_mtp, rank, world,
-                               head_stored=head_as_stored(quantization, dtype, dev, stored))
+                               head_stored=head_as_stored(quantization, dtype, dev, lambda: head and head.dtype))
     sd = model.state_dict()
     check_tensors(_produced_shapes(ck, model, layout), {k: tuple(v.shape) for k, v in sd.items()})
     out_of_memory = ""
@@ -142,14 +143,16 @@ def load_model(path: str | Path, *, device: str | torch.device = "cpu", dtype: t
     return model.eval()
 
 
-def head_as_stored(quantization: str, dtype: torch.dtype, device: str | torch.device, stored: str | None) -> bool:
-    """Whether the head keeps its stored bfloat16 (`stored`: the checkpoint's safetensors dtype,
-    None: the official format, BF16) where the model computes in float32: under the int8 modes
+def head_as_stored(quantization: str, dtype: torch.dtype, device: str | torch.device,
+                   stored: Callable[[], str | None]) -> bool:
+    """Whether the head keeps its stored bfloat16 (`stored()`: the checkpoint's safetensors dtype,
+    None: the official format, BF16; asked only where the mode could keep it) where the model
+    computes in float32: under the int8 modes
     on the CPU, whose decode step it dominates otherwise (float32 is twice the bytes a token
     reads). `fp4_kernel.linear_bf16` widens each weight as it reads it: the same values as a
     float32 copy, within float32 rounding of its matmul (docs/quantization.md)."""
     return (quantization in INT8_MODES and dtype == torch.float32 and torch.device(device).type == "cpu"
-            and stored in (None, "BF16"))
+            and stored() in (None, "BF16"))
 
 
 def meta_model(cfg: ModelConfig, quantization: str, dtype: torch.dtype, with_mtp: bool, rank: int = 0,
@@ -166,7 +169,7 @@ def meta_model(cfg: ModelConfig, quantization: str, dtype: torch.dtype, with_mtp
     layout = sharding.shard_model(model, rank, world) if world > 1 else None
     _set_dtypes(model, dtype)
     if head_stored:
-        model.head.weight.data = model.head.weight.data.to(torch.bfloat16)
+        StoredLinear.keep(model.head)
     return model, layout
 
 

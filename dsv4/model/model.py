@@ -198,7 +198,7 @@ class DeepseekV4(nn.Module):
                 if ids.numel():
                     out.index_copy_(1, ids, f32(kernels.draft_linear(y, self.draft_head))[:, :ids.numel()])
             return parallel.all_gather(out)  # [N, vocab]
-        return parallel.all_gather(f32(linear(y, self.head.weight)))  # each rank's vocabulary slice
+        return parallel.all_gather(f32(self.head(y)))  # each rank's vocabulary slice
 
     # ---------------------------------------------------------------- stateful
     def forward_batch(self, batch: Batch, state: ModelState | None,

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsv4.model.layers import StoredLinear
 from dsv4.model.model import DeepseekV4, init_random
 from dsv4.model.mxfp4 import ROUTED_RULE, to_mxfp4
 from dsv4.model.quant import dequantize_fp4, quantize_fp4
@@ -40,8 +41,10 @@ def tiny_model(request) -> DeepseekV4:
         if "mxfp4" in request.param:  # the experts as FP4 stores them: the twin holds them dequantised
             fp4_experts(m) if twin else to_mxfp4(m, act_int8=quantized)
         if quantized:  # the head as an official checkpoint stores it, kept so (loader.head_as_stored)
-            head = m.head.weight.data.to(torch.bfloat16)
-            m.head.weight.data = head.float() if twin else head
+            if twin:
+                m.head.weight.data = m.head.weight.data.to(torch.bfloat16).float()
+            else:
+                StoredLinear.keep(m.head)
         if quantized and not twin:
             to_w8a8(m)
         return m.fuse_projections() if twin or request.param.endswith("fused") else m

@@ -17,6 +17,7 @@ from dsv4.engine.config import EngineConfig, EngineConfigError
 from dsv4.model import kernels
 from dsv4.model.checkpoint import CheckpointError
 from dsv4.model.convert import convert_checkpoint
+from dsv4.model.layers import Linear
 from dsv4.model.loader import load_model
 from dsv4.model.quant import dequantize_fp4, quantize_fp4
 from dsv4.model.w8a8 import QuantLinear, RowCounts, from_float, from_fp4, is_quantized
@@ -311,7 +312,8 @@ def test_int8_modes_keep_an_official_bf16_head_as_stored(tmp_path):
         assert m.head.weight.dtype == torch.bfloat16, q
         assert load_model(tmp_path / "f32", quantization=q).head.weight.dtype == torch.float32, q
         wide = load_model(tmp_path / "bf16", quantization=q)
-        wide.head.weight.data = wide.head.weight.data.float()
+        wide.head.weight.data = wide.head.weight.data.float()  # the same values, as a plain float32 head
+        wide.head.__class__ = Linear
         wq, ws = kernels.quantize_rows(wide.head.weight)
         assert torch.equal(m.draft_head["weight"], wq) and torch.equal(m.draft_head["scale"], ws)
         a, b = _logits(m), _logits(wide)

@@ -374,12 +374,12 @@ FLASH_CONFIG = Path(__file__).resolve().parents[1] / "fixtures" / "deepseek-v4-f
 
 
 def test_the_cli_makes_openmp_wait_passively_for_long_step_models_only(tmp_path: Path) -> None:
-    """`machine.choose_wait_policy`, as `build_config` calls it before torch loads: PASSIVE for
+    """`cli.options.choose_wait_policy`, as `build_config` calls it before torch loads: PASSIVE for
     V4 Flash's widths (hidden 4096), nothing for the embedded model; never over the user's own
     policy, and never once torch (OpenMP) is loaded, when it would no longer take effect."""
     from dsv4.cli.options import engine_kwargs
 
-    code = ("import os, sys; from dsv4.machine import choose_wait_policy; {pre}"
+    code = ("import os, sys; from dsv4.cli.options import choose_wait_policy; {pre}"
             "print(choose_wait_policy(sys.argv[1]), os.environ.get('OMP_WAIT_POLICY'))")
     embedded = engine_kwargs()["model"]
 
