@@ -22,7 +22,7 @@ from ..config import WINDOW, ModelConfig
 from .attention import Attention
 from . import int8pack, kernels, parallel
 from .fusion import Source
-from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head, linear
+from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head
 from .moe import MoE
 from .state import Batch, LayerState, ModelState
 
