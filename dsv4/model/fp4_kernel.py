@@ -30,7 +30,7 @@ from ..private_paths import PathError, check_private_dir, check_trusted_chain
 from .quant import dequantize_fp4, e8m0_bytes
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "fp4_gemm.cpp", CSRC / "bf16_gemm.cpp")  # compiled into one library
+SOURCES = (CSRC / "fp4_gemm.cpp", CSRC / "bf16_gemm.cpp", CSRC / "int8_rows.cpp")  # compiled into one library
 HEADERS = (CSRC / "cpu_isa.h",)
 NAME = "dsv4_fp4_gemm"
 # no fma contraction (the A8 contract is mul, then add); -fopenmp because at::parallel_for is
@@ -212,7 +212,8 @@ def _current_code() -> int:
     return -1 if code is None else code
 
 
-def _isa(isa: str | None, *tensors: torch.Tensor) -> int | None:
+def isa_code(isa: str | None, *tensors: torch.Tensor) -> int | None:
+    """The C++ path's code for an op on `tensors` (None: the torch fallback), `isa` forcing one."""
     if isa is None:
         if not all(t.device.type == "cpu" for t in tensors):
             return None
@@ -263,7 +264,7 @@ def linear_a8(xq: torch.Tensor, xs: torch.Tensor, packed: torch.Tensor, scale: t
     if xs.dtype != torch.float32 or xs.numel() != xq.shape[0] or xs.dim() not in (1, 2):
         raise ValueError(f"fp4 GEMM: xs must be float32 [M, 1] for xq {tuple(xq.shape)}; got {tuple(xs.shape)} {xs.dtype}")
     p, s = _weight(packed, scale, xq.shape[1])
-    code = _isa(isa, xq, p, s)
+    code = isa_code(isa, xq, p, s)
     if code is None:
         return _a8_torch(xq, xs.reshape(-1, 1), p, s)
     return torch.ops.dsv4_fp4.linear_a8(xq, xs.reshape(-1), p, s, code)
@@ -274,7 +275,7 @@ def linear_f(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, *, isa:
     (computed in float32). `isa`: force a path, as for `linear_a8`."""
     _activations(x, (torch.float32, torch.bfloat16, torch.float16), "x")
     p, s = _weight(packed, scale, x.shape[1])
-    code = _isa(isa, x, p, s)
+    code = isa_code(isa, x, p, s)
     x32 = x.float()
     if code is None:
         y = _f_torch(x32, p, s)
@@ -292,7 +293,7 @@ def linear_bf16(x: torch.Tensor, w: torch.Tensor, *, isa: str | None = None) -> 
     if w.dim() != 2 or w.dtype != torch.bfloat16 or w.shape[1] != x.shape[1] or (w.shape[1] > 1 and w.stride(1) != 1):
         raise ValueError(f"bf16 GEMM: w must be bfloat16 [N, {x.shape[1]}] with contiguous rows; "
                          f"got {tuple(w.shape)} {w.dtype}")
-    code = _isa(isa, x, w)
+    code = isa_code(isa, x, w)
     if code is None:
         return _bf16_torch(x, w)
     return torch.ops.dsv4_fp4.linear_bf16(x, w, code)

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from . import int8pack, kernels, parallel, sharding
+from . import int8_rows, int8pack, kernels, parallel, sharding
 from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .fusion import Source
@@ -223,16 +223,21 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
     for i, (name, kind, raw, scale) in enumerate(ck.tensors(dev, layout, skip=skip), start=done):
         target = dest[name]
         if target.dtype == torch.int8 and kind != "int8":  # convert to int8 rows while loading
+            sh = layout.shard(name) if layout is not None else None
+            whole_rows = sh is None or sh.dim != 1  # else the rows' amax is all-reduced below
             if kind == "fp4":
                 q, s = from_fp4(raw, scale, counts)
+            elif whole_rows and kind in ("fp8", "plain") and int8_rows.into(raw, target, dest[scale_name(name)],
+                                                                             fp8_scale=scale):
+                q = None  # written in place, one pass on every thread
             else:
                 w = dequantize(kind, raw, scale, torch.float32) if kind == "fp8" else raw.float()
-                sh = layout.shard(name) if layout is not None else None
                 # a slice of the rows' columns (row-parallel): the scale of the whole rows
                 amax = parallel.all_reduce_max(w.abs().amax(dim=-1)) if sh is not None and sh.dim == 1 else None
                 q, s = from_float(w, amax, scratch=w.data_ptr() != raw.data_ptr())  # w: our own temporary
-            target.copy_(q)
-            dest[scale_name(name)].copy_(s)
+            if q is not None:
+                target.copy_(q)
+                dest[scale_name(name)].copy_(s)
         elif kind in ("fp8", "fp4"):
             target.copy_(dequantize(kind, raw, scale, torch.float32))
         else:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
-from . import int8pack, kernels, parallel
+from . import int8_rows, int8pack, kernels, parallel
 from .fusion import Source
 from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head
 from .moe import MoE
@@ -128,9 +128,10 @@ class DeepseekV4(nn.Module):
         w = kept.pop("weight", self.head.weight).detach()  # [V, D] (this rank's vocabulary slice under TP)
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         sc = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-        for lo in range(0, w.shape[0], rows):  # a float32 copy of `rows` rows, quantised in place
-            chunk = w[lo:lo + rows].to(torch.float32, copy=True)
-            q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(chunk, scratch=True)
+        if not int8_rows.into(w, q, sc):  # the C++ extension's one pass, else the same values in torch:
+            for lo in range(0, w.shape[0], rows):  # a float32 copy of `rows` rows, quantised in place
+                chunk = w[lo:lo + rows].to(torch.float32, copy=True)
+                q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(chunk, scratch=True)
         self.draft_head = {**kept, "weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
 
