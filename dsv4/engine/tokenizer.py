@@ -15,6 +15,7 @@ Details: docs/serving.md, 'dsv4/engine/tokenizer.py'.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -51,7 +52,12 @@ def _token_content(value: object) -> str | None:
 
 
 class Tokenizer:
-    """A `tokenizers` tokenizer plus the few facts the engine needs (BOS, EOS, chat tokens)."""
+    """A `tokenizers` tokenizer plus the few facts the engine needs (BOS, EOS, chat tokens).
+    Not changed after it is built, so one object serves every thread; `from_dir` hands the
+    daemon's HTTP front end and its engine the same one (it takes about 0.5 s to build)."""
+
+    # the last directory's (path, tokenizer.json's hash, tokenizer_config.json) and tokenizer
+    _last: tuple[tuple[str, str, str], "Tokenizer"] | None = None
 
     def __init__(self, tokenizer_json: str, config: dict | None = None, source: str = "<memory>") -> None:
         """Build from the text of a tokenizer.json and the parsed tokenizer_config.json (if any)."""
@@ -96,7 +102,13 @@ class Tokenizer:
             text = tj.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise TokenizerError(f"cannot read {tj}: {e}") from None
-        return cls(text, config, source=str(d))
+        key = (str(d), hashlib.sha256(text.encode("utf-8")).hexdigest(), json.dumps(config, sort_keys=True))
+        last = Tokenizer._last
+        if last is not None and last[0] == key and type(last[1]) is cls:
+            return last[1]
+        tok = cls(text, config, source=str(d))
+        Tokenizer._last = (key, tok)
+        return tok
 
     def _adds_bos(self, post_processor: object) -> bool:
         """Whether a raw prompt starts with BOS: tokenizer_config.json's `add_bos_token`
