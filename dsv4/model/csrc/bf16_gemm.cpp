@@ -45,13 +45,6 @@ struct Args {
   int64_t M, N, K;
 };
 
-inline float widen(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 inline float reduce16(const float* s) {
   float t[8], u[4];
   for (int j = 0; j < 8; ++j) t[j] = s[j] + s[j + 8];
@@ -70,7 +63,7 @@ void rows_scalar(const Args& a, int64_t m0, int64_t m1, int64_t n0, int64_t n1) 
       for (int64_t k0 = 0; k0 < Kp; k0 += kLanes)
         for (int j = 0; j < kLanes; ++j) {
           const int64_t k = k0 + j;
-          s[j] = std::fma(k < a.K ? x[k] : 0.f, k < a.K ? widen(w[k]) : 0.f, s[j]);
+          s[j] = std::fma(k < a.K ? x[k] : 0.f, k < a.K ? widen_bf16(w[k]) : 0.f, s[j]);
         }
       a.y[m * a.N + n] = reduce16(s);
     }

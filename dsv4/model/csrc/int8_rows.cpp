@@ -51,13 +51,6 @@ struct Rows {
   float tiny, qmax;
 };
 
-inline float widen(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
 // Row r as float32 into v[C]; returns the largest |v| (NaN if any v is NaN).
 float decode(const Rows& a, int64_t r, float* v) {
   if (a.kind == kFp8) {
@@ -70,7 +63,7 @@ float decode(const Rows& a, int64_t r, float* v) {
     }
   } else if (a.kind == kBf16) {
     const uint16_t* src = a.b16 + r * a.rs;
-    for (int64_t c = 0; c < a.C; ++c) v[c] = widen(src[c]);
+    for (int64_t c = 0; c < a.C; ++c) v[c] = widen_bf16(src[c]);
   } else {
     std::memcpy(v, a.f32 + r * a.rs, a.C * sizeof(float));
   }
