@@ -32,7 +32,7 @@ from ..config import ModelConfig
 from .checkpoint import (CONFIG_NAME, INDEX_NAME, QUANTIZATION_KEY, Checkpoint, CheckpointError, check_tid2eid,
                          dequantize, scale_name, validate_tensor)
 from .model import DeepseekV4
-from .w8a8 import QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
+from .w8a8 import QuantLinear, RowCounts, rows_into, to_w8a8
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")  # never copied: DST has its own weights
 
@@ -192,13 +192,10 @@ def _write(ck: Checkpoint, src: Path, dst: Path, model: DeepseekV4, quantized: s
         with torch.no_grad():
             for i, (name, kind, raw, scale) in enumerate(ck.tensors("cpu")):
                 if name in quantized:
-                    if kind == "fp4":
-                        out = from_fp4(raw, scale, counts)
-                    elif kind == "fp8":
-                        out = from_float(dequantize(kind, raw, scale, torch.float32), scratch=True)
-                    else:
-                        out = from_float(raw.float())
-                    pieces = {name: out[0].contiguous(), scale_name(name): out[1].contiguous()}
+                    q = torch.empty(outputs[name][1], dtype=torch.int8)
+                    s = torch.empty(outputs[scale_name(name)][1], dtype=torch.float32)
+                    rows_into(kind, raw, scale, q, s, counts)
+                    pieces = {name: q, scale_name(name): s}
                 elif kind in ("fp8", "fp4"):
                     pieces = {name: dequantize(kind, raw, scale, torch.bfloat16)}
                 else:

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..config import ModelConfig
-from . import int8_rows, int8pack, kernels, parallel, sharding
+from . import int8pack, kernels, parallel, sharding
 from .checkpoint import (_ROUTED_WEIGHT, Checkpoint, CheckpointError, check_tensors, check_tid2eid, dequantize, official_storage,
                          scale_name, validate_tensor)
 from .fusion import Source
@@ -28,7 +28,7 @@ from .layers import StoredLinear
 from .model import DeepseekV4
 from .mapped import MappedFiles
 from .mxfp4 import FP4Linear, to_mxfp4
-from .w8a8 import INT8_MODES, QUANTIZATIONS, QuantLinear, RowCounts, from_float, from_fp4, to_w8a8
+from .w8a8 import INT8_MODES, QUANTIZATIONS, QuantLinear, RowCounts, rows_into, to_w8a8
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -224,8 +224,8 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
         target = dest[name]
         if target.dtype == torch.int8 and kind != "int8":  # convert to int8 rows while loading
             sh = layout.shard(name) if layout is not None else None
-            _into_int8_rows(kind, raw, scale, target, dest[scale_name(name)], counts,
-                            row_parallel=sh is not None and sh.dim == 1)
+            rows_into(kind, raw, scale, target, dest[scale_name(name)], counts,
+                      reduce_amax=parallel.all_reduce_max if sh is not None and sh.dim == 1 else None)
         elif kind in ("fp8", "fp4"):
             target.copy_(dequantize(kind, raw, scale, torch.float32))
         else:
@@ -234,23 +234,6 @@ def _stream_into(model: DeepseekV4, ck: Checkpoint, dev: torch.device,
         del raw, scale
         if progress is not None:
             progress(i + 1, total)
-
-
-def _into_int8_rows(kind: str, raw: torch.Tensor, scale: torch.Tensor | None, q_dst: torch.Tensor,
-                    s_dst: torch.Tensor, counts: RowCounts, row_parallel: bool) -> None:
-    """A stored weight ("fp4", "fp8" or "plain") as int8 rows, written into the model's `q_dst`
-    [N, K] and `s_dst` [N] (`row_parallel`: `raw` holds a slice of the rows' columns, whose
-    amax is all-reduced so that every rank scales as the unsplit rows)."""
-    if kind == "fp4":
-        q, s = from_fp4(raw, scale, counts)
-    elif not row_parallel and kind in ("fp8", "plain") and int8_rows.into(raw, q_dst, s_dst, fp8_scale=scale):
-        return  # written in place by the C++ extension, one pass on every thread
-    else:
-        w = dequantize(kind, raw, scale, torch.float32) if kind == "fp8" else raw.float()
-        amax = parallel.all_reduce_max(w.abs().amax(dim=-1)) if row_parallel else None
-        q, s = from_float(w, amax, scratch=w.data_ptr() != raw.data_ptr())  # w: our own temporary
-    q_dst.copy_(q)
-    s_dst.copy_(s)
 
 
 def _fused_source(ck: Checkpoint, files: MappedFiles, done: set[str], asked: set[str]) -> Source:

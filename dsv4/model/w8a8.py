@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
-from . import int8pack, kernels, parallel
+from . import int8_rows, int8pack, kernels, parallel
 from .layers import Linear
-from .quant import FP4_VALUES, e8m0_bytes
+from .quant import FP4_VALUES, dequantize_fp8, e8m0_bytes
 
 QUANTIZATIONS = ("none", "w8a8", "mxfp4", "w8a8-mxfp4")  # mxfp4: the routed experts as stored (mxfp4.py)
 INT8_MODES = ("w8a8", "w8a8-mxfp4")  # the other linears int8
@@ -129,6 +130,27 @@ def from_float(w: torch.Tensor, amax: torch.Tensor | None = None, *, scratch: bo
     (`amax` [out]: of the whole rows, when w is a slice of their columns; `scratch`: w is a
     temporary that may be overwritten, `kernels.quantize_rows`)."""
     return kernels.quantize_rows(w.detach(), amax, scratch=scratch)
+
+
+def rows_into(kind: str, raw: torch.Tensor, scale: torch.Tensor | None, q: torch.Tensor, s: torch.Tensor,
+              counts: RowCounts | None = None,
+              reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """A stored weight ("fp4" with its E8M0 scales, "fp8" with its block scales, or "plain"
+    float) as int8 rows, written into `q` [N, K] and `s` [N] (the model's storage, or the
+    caller's). `reduce_amax`: `raw` holds a slice of the rows' columns (row-parallel), and
+    this turns the slice's row amax [N] into the whole rows' (an all-reduce). FP8 and float
+    rows go through the C++ extension where it runs (`int8_rows`: one pass, every thread,
+    no temporaries), else through `from_float`: the same bits."""
+    if kind == "fp4":
+        wq, ws = from_fp4(raw, scale, counts)
+    elif reduce_amax is None and kind in ("fp8", "plain") and int8_rows.into(raw, q, s, fp8_scale=scale):
+        return
+    else:
+        w = dequantize_fp8(raw, scale) if kind == "fp8" else raw.float()
+        amax = reduce_amax(w.abs().amax(dim=-1)) if reduce_amax is not None else None
+        wq, ws = from_float(w, amax, scratch=w.data_ptr() != raw.data_ptr())  # w: our own temporary
+    q.copy_(wq)
+    s.copy_(ws)
 
 
 FP4_SPAN = 3  # 12 * 2^3 = 96 <= 127: doubled e2m1 codes times 2^span still fit in int8
