@@ -3,10 +3,11 @@
     if int8_rows.into(src, q, s, fp8_scale=scale):   # the stored tensor -> the model's own q, s
         ...                                           # else: kernels.quantize_rows, the same bits
 
-The int8 modes' conversion of an FP8 (or bfloat16, float32) weight (`w8a8.rows_into`: loading, `dsv4 convert`; the draft head), in one
-pass over the stored bytes on every thread, written straight into the model's storage: the
-values of `quant.dequantize_fp8` followed by `kernels.quantize_rows`, bit for bit (one IEEE
-float32 operation per step, as there). The extension's build, loading and choice of path are
+The int8 modes' conversion of an FP8 (or bfloat16, float32) weight to int8 rows
+(`w8a8.rows_into`: loading and `dsv4 convert`; also the int8 draft head) in one pass over the
+stored bytes on every thread, written straight into the given storage: the values of
+`quant.dequantize_fp8` followed by `kernels.quantize_rows`, bit for bit (one IEEE float32
+operation per step, as there). The extension's build, loading and choice of path are
 `fp4_kernel`'s; without it (or off the CPU) `into` returns False and the torch code runs.
 """
 
