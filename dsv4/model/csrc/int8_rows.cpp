@@ -77,9 +77,12 @@ float decode(const Rows& a, int64_t r, float* v) {
   return nan ? NAN : m;
 }
 
+// round half to even (the default rounding mode), clamp; a NaN (its row's scale is NaN and
+// the row is refused) gives 0 rather than an undefined conversion
 inline int8_t narrow(float y, float qmax) {
+  if (y != y) return 0;
   y = std::nearbyint(y);
-  y = y < -qmax ? -qmax : (y > qmax ? qmax : y);  // NaN stays NaN, as in torch's clamp
+  y = y < -qmax ? -qmax : (y > qmax ? qmax : y);
   return static_cast<int8_t>(static_cast<int32_t>(y));
 }
 
