@@ -130,6 +130,26 @@ def test_raw_bos_follows_the_tokenizer_files(ds_dir: Path, tmp_path: Path, confi
     assert tok.encode_prompt("Once upon a time", mode="chat")[0] == BOS  # the chat template always has it
 
 
+def test_a_directory_loaded_again_unchanged_gives_the_same_tokenizer(ds_dir: Path, tmp_path: Path) -> None:
+    """The daemon's HTTP front end and its engine each load the model's tokenizer: the second
+    load hands back the first (built once); any change to either file builds a new one."""
+    d = tmp_path / "tok"
+    shutil.copytree(ds_dir, d)
+    first = Tokenizer.from_dir(d)
+    assert Tokenizer.from_dir(d) is first
+    spec = json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["added_tokens"] = spec["added_tokens"][:-1]
+    (d / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    changed = Tokenizer.from_dir(d)
+    assert changed is not first and changed.encode_chat([{"role": "user", "content": "hi"}]) == first.encode_chat([{"role": "user", "content": "hi"}])
+    (d / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True}), encoding="utf-8")
+    again = Tokenizer.from_dir(d)
+    assert again is not changed and again.add_bos
+    (d / "tokenizer.json").write_text("{", encoding="utf-8")
+    with pytest.raises(TokenizerError):
+        Tokenizer.from_dir(d)  # a corrupt file is an error, never the tokenizer it replaced
+
+
 def test_unknown_mode(ds: Tokenizer) -> None:
     with pytest.raises(TokenizerError, match="prompt mode"):
         ds.encode_prompt("x", mode="jinja")  # type: ignore[arg-type]
