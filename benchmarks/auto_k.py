@@ -3,6 +3,7 @@
 
     python benchmarks/auto_k.py [--rounds 2] [--prompts 8] [--gen 32] [--threads 1] [--out runs/bench]
     python benchmarks/auto_k.py --tpot [--fresh] [--compile] [--rounds 5] [--gen 64] [--threads 1]
+    python benchmarks/auto_k.py --tpot --model SLICE --max-fixed 0 [--rounds 3] [--gen 32] [--threads 2]
 
 One engine per arm (auto, K = 0, 1, 2, 3; embedded model, max_num_seqs 8), built once.
 For each round, concurrency (1, 8) and prompt set (256-token windows of the held-out
@@ -91,12 +92,12 @@ def _seeded(params: SamplingParams, seed: int) -> SamplingParams:
 
 def tpot(a: argparse.Namespace) -> None:
     """Batch-1 TPOT of K = 0, 1, 2 and auto (see the module docstring, `--tpot`)."""
-    model = dsv4.DEFAULT_MODEL
+    model = a.model or dsv4.DEFAULT_MODEL
     prompts = heldout_prompts(Tokenizer.from_dir(model), a.data, a.tpot_prompts, 256)
     make = lambda arm: LLM(model, num_speculative_tokens=arm, max_model_len=1024, compile=a.compile)  # noqa: E731
     auto = make("auto")
     depth = auto.engine.config.num_speculative_tokens
-    names = ["auto"] + [str(k) for k in range(min(depth, 2) + 1)]
+    names = ["auto"] + [str(k) for k in range(min(depth, 2, a.max_fixed) + 1)]
     arms = {"auto": auto, **{k: make(int(k)) for k in names[1:]}}
     holder: dict = {"counter": Counter()}
     catch = {"n": 0, "pairs": 0, "s": 0.0}
@@ -177,6 +178,8 @@ def main() -> None:
     ap.add_argument("--tpot", action="store_true", help="batch-1 time per token of K = 0, 1, 2 and auto, greedy and "
                     "default sampling (the issue's measurement); --rounds repetitions, --gen tokens")
     ap.add_argument("--tpot-prompts", type=int, default=1, help="--tpot: held-out prompts a round")
+    ap.add_argument("--model", help="--tpot: a model directory instead of the embedded model (e.g. the peer's slice)")
+    ap.add_argument("--max-fixed", type=int, default=2, help="--tpot: the fixed arms are K = 0 .. this (at most 2)")
     ap.add_argument("--fresh", action="store_true", help="--tpot: a new engine for every run (as `dsv4 run --local`)")
     ap.add_argument("--compile", action="store_true", help="--tpot: compiled decode steps (LLM(compile=True): "
                     "the cached buckets load, the others build first)")
