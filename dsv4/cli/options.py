@@ -368,14 +368,11 @@ def build_config(kw: dict[str, Any], check_memory: bool = True) -> Any:
     try:
         config = EngineConfig.create(**kw)
         if check_memory and config.node_rank == 0:
-            from dsv4.engine.memory_plan import check, fit
+            from dsv4.engine.memory_plan import settle
 
-            plan = None
-            if kw.get("quantization") is None:  # not given: the formats the memory plan fits
-                config, note, plan = fit(config)
-                if note:
-                    print(f"dsv4: {note}", file=sys.stderr)
-            check(config, plan)
+            config, note = settle(config, kw.get("quantization") is not None)
+            if note:
+                print(f"dsv4: {note}", file=sys.stderr)
         return config
     except EngineConfigError as e:
         raise CliError(str(e), EXIT_USAGE) from None

@@ -6,12 +6,14 @@ embedded tiny Shakespeare model.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
 from dsv4.assets import DEFAULT_MODEL
 from dsv4.engine.config import EngineConfig
 from dsv4.engine.engine import Engine, RequestOutput
+from dsv4.engine.memory_plan import settle
 from dsv4.engine.request import RequestError
 from dsv4.engine.sampling import SamplingParams
 from dsv4.agents.encoding import EncodingError
@@ -37,7 +39,16 @@ class LLM:
     loop without the socket, used by `run --local`, `bench --local` and Python callers."""
 
     def __init__(self, model: str | None = None, **engine_options: Any):
-        self.engine = Engine(EngineConfig.create(model=str(model or DEFAULT_MODEL), **engine_options))
+        """Build and load the engine. As the CLI does, before any weight loads: without
+        `quantization` the formats that fit this machine (float32 where it fits, else the
+        checkpoint's own; logged), and EngineConfigError, naming the figures, for a
+        configuration whose memory plan does not fit."""
+        config = EngineConfig.create(model=str(model or DEFAULT_MODEL), **engine_options)
+        if config.node_rank == 0:
+            config, note = settle(config, engine_options.get("quantization") is not None)
+            if note:
+                logging.getLogger("dsv4").warning("%s", note)
+        self.engine = Engine(config)
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "LLM":

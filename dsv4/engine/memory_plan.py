@@ -233,6 +233,18 @@ def fit_default(config: Any, available: int | None = None) -> tuple[Any, str]:
     return fit(config, available)[:2]
 
 
+def settle(config: Any, quantization_given: bool) -> tuple[Any, str]:
+    """The config every entry point loads (the CLI's `build_config`, `LLM`): without a given
+    quantization the formats that fit (`fit`), then `check` (EngineConfigError, with the
+    figures and the flags, when it does not fit), before any weight loads. Returns
+    (config, the note saying what was chosen and why, or "")."""
+    note, plan = "", None
+    if not quantization_given:
+        config, note, plan = fit(config)
+    check(config, plan)
+    return config, note
+
+
 def check(config: Any, plan: MemoryPlan | None = None) -> MemoryPlan:
     """`memory_plan(config)` (or `plan`, already built for it), or EngineConfigError when it does
     not fit: the figures, and the --quantization values, --max-model-len or --max-num-seqs that would."""

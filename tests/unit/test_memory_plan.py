@@ -125,6 +125,30 @@ def test_without_quantization_the_defaults_take_what_fits(tmp_path, monkeypatch,
     assert code == 0 and "--quantization w8a8-mxfp4 chosen" in got.err, got.err
 
 
+def test_the_python_api_plans_as_the_cli_does(tmp_path, monkeypatch, caplog):
+    """`LLM(dir)` (no quantization) took float32 whatever it needed, and a V4 checkpoint met the
+    OOM killer: it now settles the config as the CLI does, before any weight loads: the
+    formats that fit, logged, and a refusal naming the figures where nothing fits."""
+    from dsv4 import LLM
+
+    write_tiny_checkpoint(tmp_path, quantize=True, with_tokenizer=False)
+    need = M.memory_plan(EngineConfig.create(model=str(tmp_path), max_model_len=64)).host_bytes
+    assert LLM(str(tmp_path), max_model_len=64).engine.config.quantization == "none"  # it fits: float32
+    monkeypatch.setattr(M, "available_memory", lambda: need - 1)
+    with caplog.at_level("WARNING", logger="dsv4"):
+        llm = LLM(str(tmp_path), max_model_len=64)
+    assert llm.engine.config.quantization == "w8a8-mxfp4" and "--quantization w8a8-mxfp4 chosen" in caplog.text
+    assert LLM(str(tmp_path), max_model_len=64, quantization="w8a8").engine.config.quantization == "w8a8"
+    loads = []
+    monkeypatch.setattr("dsv4.engine.engine.Engine.__init__", lambda self, config: loads.append(config))
+    monkeypatch.setattr(M, "available_memory", lambda: 1 << 20)
+    with pytest.raises(EngineConfigError, match=r"needs .* over the .* available; it would fit with"):
+        LLM(str(tmp_path), max_model_len=64)
+    with pytest.raises(EngineConfigError, match="over the"):
+        LLM(str(tmp_path), max_model_len=64, quantization="none")
+    assert loads == []  # refused before the engine (and its weights) was built
+
+
 def test_a_compile_build_is_planned_and_refused_before_it_runs_out_of_memory(tmp_path, monkeypatch, capsys):
     """--compile captures missing buckets in the serving process, which holds a second copy of
     the weights while it does: the plan counts it, and a build that would not fit is refused
