@@ -20,7 +20,7 @@ from torch import nn
 
 from ..config import WINDOW, ModelConfig
 from .attention import Attention
-from . import int8_rows, int8pack, kernels, parallel
+from . import int8pack, kernels, parallel, w8a8
 from .fusion import Source
 from .layers import Embedding, HyperConnection, Linear, RMSNorm, RopeTable, f32, hc_head
 from .moe import MoE
@@ -115,23 +115,20 @@ class DeepseekV4(nn.Module):
                 mod.fuse(copy=copy, source=source, prefix=f"{name}." if name else "")
         return self
 
-    def quantize_draft_head(self, rows: int = 1024) -> int:
+    def quantize_draft_head(self) -> int:
         """W8A8 inference: the MTP drafts through an int8 copy of the head (per-row scales;
         `kernels.draft_linear`), or of its draft-vocabulary rows (`restrict_draft_vocab`, called
         first): a draft reads half the head's bytes, most of what it reads (the sizes:
         docs/architecture.md, 'dsv4/model/model.py'). Drafts are proposals: verification
         keeps the exact head, so the text still follows the main model alone (greedy: the
         same tokens; sampled: the target's distribution, with q the drafts' own). Quantised
-        `rows` at a time (no float32 copy of the whole head). Returns the bytes of the draft
+        by `w8a8.rows_into` (no float32 copy of the whole head). Returns the bytes of the draft
         head."""
         kept = dict(self.draft_head or {})
         w = kept.pop("weight", self.head.weight).detach()  # [V, D] (this rank's vocabulary slice under TP)
         q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
         sc = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
-        if not int8_rows.into(w, q, sc):  # the C++ extension's one pass, else the same values in torch:
-            for lo in range(0, w.shape[0], rows):  # a float32 copy of `rows` rows, quantised in place
-                chunk = w[lo:lo + rows].to(torch.float32, copy=True)
-                q[lo:lo + rows], sc[lo:lo + rows] = kernels.quantize_rows(chunk, scratch=True)
+        w8a8.rows_into("plain", w, None, q, sc)  # as the loader converts a float weight
         self.draft_head = {**kept, "weight": q, "scale": sc, "scale_bf16": sc.to(torch.bfloat16)}
         return sum(t.numel() * t.element_size() for t in self.draft_head.values())
 

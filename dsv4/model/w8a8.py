@@ -132,6 +132,9 @@ def from_float(w: torch.Tensor, amax: torch.Tensor | None = None, *, scratch: bo
     return kernels.quantize_rows(w.detach(), amax, scratch=scratch)
 
 
+ROWS = 1024  # rows_into's torch fallback for a float weight: rows converted at a time
+
+
 def rows_into(kind: str, raw: torch.Tensor, scale: torch.Tensor | None, q: torch.Tensor, s: torch.Tensor,
               counts: RowCounts | None = None,
               reduce_amax: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
@@ -140,10 +143,18 @@ def rows_into(kind: str, raw: torch.Tensor, scale: torch.Tensor | None, q: torch
     caller's). `reduce_amax`: `raw` holds a slice of the rows' columns (row-parallel), and
     this turns the slice's row amax [N] into the whole rows' (an all-reduce). FP8 and float
     rows go through the C++ extension where it runs (`int8_rows`: one pass, every thread,
-    no temporaries), else through `from_float`: the same bits."""
+    no temporaries), else through `from_float`: the same bits (a float weight `ROWS` rows at
+    a time, so that a large one, such as the head the draft head copies, never has a float32
+    copy whole)."""
     if kind == "fp4":
         wq, ws = from_fp4(raw, scale, counts)
     elif reduce_amax is None and kind in ("fp8", "plain") and int8_rows.into(raw, q, s, fp8_scale=scale):
+        return
+    elif reduce_amax is None and kind == "plain":
+        for lo in range(0, raw.shape[0], ROWS):  # a float32 copy of ROWS rows, quantised in place
+            wq, ws = from_float(raw[lo:lo + ROWS].to(torch.float32, copy=True), scratch=True)
+            q[lo:lo + ROWS].copy_(wq)
+            s[lo:lo + ROWS].copy_(ws)
         return
     else:
         w = dequantize_fp8(raw, scale) if kind == "fp8" else raw.float()
